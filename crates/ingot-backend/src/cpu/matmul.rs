@@ -1,0 +1,199 @@
+//! `out = x · wᵀ` for f32 activations and weights of any dtype.
+//!
+//! Few rows (decode): each weight row is read once and dotted with every activation row,
+//! on integers where the weight type allows ([`crate::quant::vec_dot`]); parallel over
+//! weight rows. Many rows (prefill): weight rows are dequantized a tile at a time into f32
+//! and multiplied with the `gemm` crate, parallel over tiles; the tile stays in cache while
+//! all activation rows pass over it.
+
+use super::SendPtr;
+use crate::quant::{self, Q8Block, Q8_BLOCK};
+use crate::DType;
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Up to this many activation rows take the dot-product path.
+pub const GEMV_MAX_ROWS: usize = 4;
+/// Weight rows dequantized per tile in the GEMM path.
+const TILE_ROWS: usize = 64;
+
+thread_local! {
+    /// Per-thread scratch, grown to the largest shape seen and then reused.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Destination of a matmul: row `i` lands at `ptr[i * ld + j]` for `j < n`.
+#[derive(Clone, Copy)]
+pub struct Dst {
+    pub ptr: SendPtr,
+    pub ld: usize,
+}
+
+/// Weight data in whichever form the backend stores it.
+pub enum Weight<'a> {
+    F32(&'a [f32]),
+    Bytes(DType, &'a [u8]),
+}
+
+/// Quantized copies of the activation rows for integer dot products; reused across calls.
+pub struct ActivationScratch {
+    q8: Vec<Q8Block>,
+}
+
+impl ActivationScratch {
+    pub const fn new() -> Self {
+        ActivationScratch { q8: Vec::new() }
+    }
+}
+
+/// # Safety
+/// `dst` must be valid for writes of `m` rows of `n` elements at stride `ld`, and no other
+/// reference may alias those elements during the call.
+pub unsafe fn matmul(
+    x: &[f32],
+    w: Weight<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst,
+    scratch: &mut ActivationScratch,
+) {
+    assert!(x.len() >= m * k);
+    if m == 0 || n == 0 {
+        return;
+    }
+    match w {
+        Weight::F32(wf) if m > GEMV_MAX_ROWS => gemm_f32(
+            x,
+            wf,
+            m,
+            n,
+            k,
+            dst,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        ),
+        Weight::F32(wf) => {
+            par_rows(n, |j| {
+                let row = &wf[j * k..(j + 1) * k];
+                for i in 0..m {
+                    dst.write(i, j, quant::vec_dot_f32(row, &x[i * k..(i + 1) * k]));
+                }
+            });
+        }
+        Weight::Bytes(dtype, wb) if m <= GEMV_MAX_ROWS => {
+            let row_bytes = dtype.bytes_for(k);
+            let xq: &[Q8Block] = if quant::uses_q8_activations(dtype) {
+                let nb = k / Q8_BLOCK;
+                scratch.q8.resize(m * nb, Q8Block::default());
+                for i in 0..m {
+                    quant::quantize_row_q8(
+                        &x[i * k..(i + 1) * k],
+                        &mut scratch.q8[i * nb..(i + 1) * nb],
+                    );
+                }
+                &scratch.q8
+            } else {
+                &[]
+            };
+            let nb = k / Q8_BLOCK;
+            par_rows(n, |j| {
+                let row = &wb[j * row_bytes..(j + 1) * row_bytes];
+                for i in 0..m {
+                    let xqi = if xq.is_empty() {
+                        &[][..]
+                    } else {
+                        &xq[i * nb..(i + 1) * nb]
+                    };
+                    dst.write(
+                        i,
+                        j,
+                        quant::vec_dot(dtype, row, xqi, &x[i * k..(i + 1) * k]),
+                    );
+                }
+            });
+        }
+        Weight::Bytes(dtype, wb) => {
+            let row_bytes = dtype.bytes_for(k);
+            let tiles = n.div_ceil(TILE_ROWS);
+            (0..tiles).into_par_iter().for_each(|t| {
+                let j0 = t * TILE_ROWS;
+                let rows = TILE_ROWS.min(n - j0);
+                TILE.with_borrow_mut(|tile| {
+                    tile.resize(TILE_ROWS * k, 0.0);
+                    for r in 0..rows {
+                        let src = &wb[(j0 + r) * row_bytes..(j0 + r + 1) * row_bytes];
+                        quant::dequantize_row(dtype, src, &mut tile[r * k..(r + 1) * k]);
+                    }
+                    let sub = dst.columns_from(j0);
+                    // SAFETY: tiles cover disjoint column ranges of the destination.
+                    unsafe {
+                        gemm_f32(
+                            x,
+                            &tile[..rows * k],
+                            m,
+                            rows,
+                            k,
+                            sub,
+                            gemm::Parallelism::None,
+                        )
+                    };
+                });
+            });
+        }
+    }
+}
+
+fn par_rows(n: usize, f: impl Fn(usize) + Sync + Send) {
+    (0..n).into_par_iter().with_min_len(64).for_each(f);
+}
+
+impl Dst {
+    /// The same rows, starting at column `j0`.
+    fn columns_from(self, j0: usize) -> Dst {
+        Dst {
+            ptr: SendPtr(self.ptr.0.wrapping_add(j0)),
+            ld: self.ld,
+        }
+    }
+
+    /// # Safety
+    /// See [`matmul`]; callers write each `(i, j)` from one thread only.
+    #[inline(always)]
+    unsafe fn write(&self, i: usize, j: usize, v: f32) {
+        *self.ptr.0.add(i * self.ld + j) = v;
+    }
+}
+
+/// # Safety
+/// As for [`matmul`].
+unsafe fn gemm_f32(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst,
+    par: gemm::Parallelism,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst.ptr.0,
+        1,
+        dst.ld as isize,
+        false,
+        x.as_ptr(),
+        1,
+        k as isize,
+        w.as_ptr(),
+        k as isize,
+        1,
+        0.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        par,
+    );
+}

@@ -1,0 +1,333 @@
+//! The CPU backend: plain Rust over host memory, multithreaded with its own rayon pool.
+//! It is both a serving backend and the reference the GPU backends are tested against.
+
+mod attention;
+mod buffer;
+mod matmul;
+
+pub use buffer::CpuBuffer;
+pub use matmul::GEMV_MAX_ROWS;
+
+use crate::quant::dequantize_row;
+use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
+use rayon::prelude::*;
+use std::sync::Mutex;
+
+/// A raw pointer that parallel tasks may share because each writes a disjoint part.
+#[derive(Clone, Copy)]
+pub struct SendPtr(pub *mut f32);
+// SAFETY: only used for disjoint writes, see the users.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    scratch: Mutex<matmul::ActivationScratch>,
+}
+
+impl CpuBackend {
+    /// A backend running on `threads` threads (all cores when `None`).
+    pub fn new(threads: Option<usize>) -> anyhow::Result<Self> {
+        let threads =
+            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        anyhow::ensure!(threads > 0, "--threads must be at least 1");
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ingot-cpu-{i}"))
+            .build()?;
+        Ok(CpuBackend {
+            pool,
+            scratch: Mutex::new(matmul::ActivationScratch::new()),
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * inv * g;
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", self.threads())
+    }
+
+    fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<CpuBuffer> {
+        anyhow::ensure!(
+            numel % dtype.block_len() == 0,
+            "{numel} elements are not whole {dtype} blocks"
+        );
+        Ok(CpuBuffer::zeroed(dtype, numel))
+    }
+
+    fn upload(&self, dst: &mut CpuBuffer, bytes: &[u8]) -> anyhow::Result<()> {
+        let d = dst.bytes_mut();
+        anyhow::ensure!(
+            bytes.len() <= d.len(),
+            "upload of {} bytes into {} bytes",
+            bytes.len(),
+            d.len()
+        );
+        d[..bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn download_f32(&self, src: &CpuBuffer, numel: usize) -> anyhow::Result<Vec<f32>> {
+        Ok(src.f32()[..numel].to_vec())
+    }
+
+    fn synchronize(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn embedding(
+        &self,
+        table: &CpuBuffer,
+        ids: &CpuBuffer,
+        n: usize,
+        dim: usize,
+        out: &mut CpuBuffer,
+    ) {
+        let rb = table.row_bytes(dim);
+        let bytes = table.bytes();
+        let vocab = bytes.len() / rb;
+        let ids = &ids.i32()[..n];
+        self.pool.install(|| {
+            out.f32_mut()[..n * dim]
+                .par_chunks_mut(dim)
+                .zip(ids)
+                .for_each(|(o, &id)| {
+                    let id = id as usize;
+                    assert!(
+                        id < vocab,
+                        "token id {id} outside the vocabulary of {vocab}"
+                    );
+                    dequantize_row(table.dtype(), &bytes[id * rb..(id + 1) * rb], o);
+                })
+        });
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CpuBuffer,
+        weight: &CpuBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut CpuBuffer,
+    ) {
+        let (x, w) = (&x.f32()[..rows * dim], &weight.f32()[..dim]);
+        self.pool.install(|| {
+            out.f32_mut()[..rows * dim]
+                .par_chunks_mut(dim)
+                .zip(x.par_chunks(dim))
+                .for_each(|(o, x)| rms_norm_row(x, w, eps, o))
+        });
+    }
+
+    fn matmul(
+        &self,
+        x: &CpuBuffer,
+        w: &CpuBuffer,
+        bias: Option<&CpuBuffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: MatmulOut<'_, Self>,
+    ) {
+        let MatmulOut {
+            buf,
+            row_stride: ld,
+            col_offset,
+        } = out;
+        assert!(
+            col_offset + n <= ld,
+            "matmul output columns {col_offset}+{n} exceed the row of {ld}"
+        );
+        let o = buf.f32_mut();
+        assert!(
+            m == 0 || o.len() >= (m - 1) * ld + col_offset + n,
+            "matmul output too small"
+        );
+        assert_eq!(w.numel(), n * k, "weight is not [{n}, {k}]");
+        let weight = match w.dtype() {
+            DType::F32 => matmul::Weight::F32(w.f32()),
+            d => matmul::Weight::Bytes(d, w.bytes()),
+        };
+        let dst = matmul::Dst {
+            ptr: SendPtr(o[col_offset..].as_mut_ptr()),
+            ld,
+        };
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let scratch: &mut matmul::ActivationScratch = &mut guard;
+        // SAFETY: `o` is borrowed mutably for the call and its size was checked above.
+        self.pool.install(|| unsafe {
+            matmul::matmul(&x.f32()[..m * k], weight, m, n, k, dst, scratch)
+        });
+        if let Some(b) = bias {
+            let b = &b.f32()[..n];
+            for i in 0..m {
+                for (o, &b) in o[i * ld + col_offset..][..n].iter_mut().zip(b) {
+                    *o += b;
+                }
+            }
+        }
+    }
+
+    fn add_assign(&self, acc: &mut CpuBuffer, x: &CpuBuffer, numel: usize) {
+        for (a, &b) in acc.f32_mut()[..numel].iter_mut().zip(&x.f32()[..numel]) {
+            *a += b;
+        }
+    }
+
+    fn silu_mul(&self, gate_up: &CpuBuffer, rows: usize, ffn: usize, out: &mut CpuBuffer) {
+        let gu = &gate_up.f32()[..rows * 2 * ffn];
+        self.pool.install(|| {
+            out.f32_mut()[..rows * ffn]
+                .par_chunks_mut(ffn)
+                .zip(gu.par_chunks(2 * ffn))
+                .for_each(|(o, gu)| {
+                    let (g, u) = gu.split_at(ffn);
+                    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                        *o = g / (1.0 + (-g).exp()) * u;
+                    }
+                })
+        });
+    }
+
+    fn qk_norm(
+        &self,
+        qkv: &mut CpuBuffer,
+        layout: QkvLayout,
+        rows: usize,
+        q_weight: &CpuBuffer,
+        k_weight: &CpuBuffer,
+        eps: f32,
+    ) {
+        let hd = layout.head_dim;
+        let (qw, kw) = (&q_weight.f32()[..hd], &k_weight.f32()[..hd]);
+        let mut head = vec![0f32; hd];
+        for row in qkv.f32_mut()[..rows * layout.row_len()].chunks_mut(layout.row_len()) {
+            for h in 0..layout.num_heads + layout.num_kv_heads {
+                let w = if h < layout.num_heads { qw } else { kw };
+                let x = &mut row[h * hd..(h + 1) * hd];
+                head.copy_from_slice(x);
+                rms_norm_row(&head, w, eps, x);
+            }
+        }
+    }
+
+    fn rope(
+        &self,
+        qkv: &mut CpuBuffer,
+        layout: QkvLayout,
+        positions: &CpuBuffer,
+        rows: usize,
+        cos_sin: &CpuBuffer,
+        rotary_dim: usize,
+    ) {
+        let half = rotary_dim / 2;
+        let (hd, heads) = (layout.head_dim, layout.num_heads + layout.num_kv_heads);
+        let table = cos_sin.f32();
+        let pos = &positions.i32()[..rows];
+        self.pool.install(|| {
+            qkv.f32_mut()[..rows * layout.row_len()]
+                .par_chunks_mut(layout.row_len())
+                .zip(pos)
+                .for_each(|(row, &p)| {
+                    let cs = &table[p as usize * rotary_dim..][..rotary_dim];
+                    let (cos, sin) = cs.split_at(half);
+                    for h in 0..heads {
+                        let x = &mut row[h * hd..h * hd + rotary_dim];
+                        for i in 0..half {
+                            let (a, b) = (x[i], x[i + half]);
+                            x[i] = a * cos[i] - b * sin[i];
+                            x[i + half] = b * cos[i] + a * sin[i];
+                        }
+                    }
+                })
+        });
+    }
+
+    fn kv_write(
+        &self,
+        qkv: &CpuBuffer,
+        layout: QkvLayout,
+        slot_mapping: &CpuBuffer,
+        rows: usize,
+        cache: CacheLayout,
+        k_cache: &mut CpuBuffer,
+        v_cache: &mut CpuBuffer,
+    ) {
+        let (kvl, rl, ql) = (layout.kv_len(), layout.row_len(), layout.q_len());
+        let slots = cache.num_blocks * cache.block_size;
+        let (kc, vc) = (k_cache.f32_mut(), v_cache.f32_mut());
+        for (row, &slot) in qkv.f32()[..rows * rl]
+            .chunks(rl)
+            .zip(&slot_mapping.i32()[..rows])
+        {
+            // A negative slot marks a token whose KV is not kept (padding).
+            if slot < 0 {
+                continue;
+            }
+            let slot = slot as usize;
+            assert!(slot < slots, "slot {slot} outside the cache of {slots}");
+            kc[slot * kvl..][..kvl].copy_from_slice(&row[ql..ql + kvl]);
+            vc[slot * kvl..][..kvl].copy_from_slice(&row[ql + kvl..ql + 2 * kvl]);
+        }
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &CpuBuffer,
+        layout: QkvLayout,
+        rows: usize,
+        meta: &AttentionMetadata<'_, Self>,
+        cache: CacheLayout,
+        k_cache: &CpuBuffer,
+        v_cache: &CpuBuffer,
+        scale: f32,
+        out: &mut CpuBuffer,
+    ) {
+        let attn = attention::PagedAttention {
+            qkv: qkv.f32(),
+            layout,
+            rows,
+            query_start_loc: &meta.query_start_loc.i32()[..meta.num_seqs + 1],
+            seq_lens: &meta.seq_lens.i32()[..meta.num_seqs],
+            block_tables: &meta.block_tables.i32()[..meta.num_seqs * meta.max_blocks_per_seq],
+            max_blocks_per_seq: meta.max_blocks_per_seq,
+            cache,
+            k_cache: k_cache.f32(),
+            v_cache: v_cache.f32(),
+            scale,
+        };
+        self.pool.install(|| attn.run(out.f32_mut()));
+    }
+
+    fn gather_rows(
+        &self,
+        x: &CpuBuffer,
+        indices: &CpuBuffer,
+        n: usize,
+        dim: usize,
+        out: &mut CpuBuffer,
+    ) {
+        let x = x.f32();
+        for (o, &i) in out.f32_mut()[..n * dim]
+            .chunks_mut(dim)
+            .zip(&indices.i32()[..n])
+        {
+            o.copy_from_slice(&x[i as usize * dim..][..dim]);
+        }
+    }
+}

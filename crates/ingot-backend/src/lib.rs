@@ -1,0 +1,186 @@
+//! Device buffers and the ops a model step is made of.
+//!
+//! The trait is shaped for GPUs: every op enqueues work over buffers that were allocated
+//! once at start, nothing allocates per op, and the host only reads results back with
+//! [`Backend::download_f32`] at the end of a step. On the CPU backend "enqueue" means
+//! "run now", which keeps it a plain reference for the GPU backends.
+
+pub mod cpu;
+mod dtype;
+pub mod quant;
+
+pub use dtype::DType;
+
+/// How the fused QKV projection output is laid out: each token row holds
+/// `num_heads` query heads, then `num_kv_heads` key heads, then `num_kv_heads` value heads,
+/// each `head_dim` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QkvLayout {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl QkvLayout {
+    pub const fn row_len(&self) -> usize {
+        (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    }
+    pub const fn q_len(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub const fn kv_len(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// The paged KV cache geometry of one layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+/// Per-step attention metadata for a flattened batch of `num_seqs` sequences.
+///
+/// Sequence `s` owns token rows `query_start_loc[s]..query_start_loc[s+1]`; those are its
+/// last tokens, so its context after this step is `seq_lens[s]` tokens and its first new
+/// token sits at position `seq_lens[s] - q_len`. A prefill chunk that continues an existing
+/// context and a single-token decode look the same here.
+pub struct AttentionMetadata<'a, B: Backend + ?Sized> {
+    /// i32 `[num_seqs + 1]`.
+    pub query_start_loc: &'a B::Buffer,
+    /// i32 `[num_seqs]`.
+    pub seq_lens: &'a B::Buffer,
+    /// i32 `[num_seqs, max_blocks_per_seq]`: physical block of each logical block.
+    pub block_tables: &'a B::Buffer,
+    pub num_seqs: usize,
+    pub max_blocks_per_seq: usize,
+}
+
+/// A matmul's destination: row `i` of the product goes to
+/// `out[i * row_stride + col_offset ..][..n]`, so several projections can fill one fused row.
+pub struct MatmulOut<'a, B: Backend + ?Sized> {
+    pub buf: &'a mut B::Buffer,
+    pub row_stride: usize,
+    pub col_offset: usize,
+}
+
+/// A compute device: buffers plus the ops of a transformer step.
+///
+/// Shapes are given in elements. Activations are f32; weights may be any [`DType`].
+/// Ops panic on shape or dtype mismatches: those are programming errors, not input errors.
+pub trait Backend: Send + Sync {
+    type Buffer: Send + Sync;
+
+    fn name(&self) -> String;
+
+    fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<Self::Buffer>;
+    /// Copies raw bytes in the buffer's own layout into the start of `dst`.
+    fn upload(&self, dst: &mut Self::Buffer, bytes: &[u8]) -> anyhow::Result<()>;
+    fn download_f32(&self, src: &Self::Buffer, numel: usize) -> anyhow::Result<Vec<f32>>;
+    /// Waits for enqueued work and reports any error it raised.
+    fn synchronize(&self) -> anyhow::Result<()>;
+
+    /// `out[i] = table[ids[i]]` (rows of `dim`, dequantized to f32).
+    fn embedding(
+        &self,
+        table: &Self::Buffer,
+        ids: &Self::Buffer,
+        n: usize,
+        dim: usize,
+        out: &mut Self::Buffer,
+    );
+
+    /// Row-wise RMSNorm: `out = x / rms(x) * weight`.
+    fn rms_norm(
+        &self,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut Self::Buffer,
+    );
+
+    /// `out = x · wᵀ (+ bias)`: `x` is `[m, k]` f32, `w` is `[n, k]` of any dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        x: &Self::Buffer,
+        w: &Self::Buffer,
+        bias: Option<&Self::Buffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: MatmulOut<'_, Self>,
+    );
+
+    /// `acc += x` over `numel` elements (residual connection).
+    fn add_assign(&self, acc: &mut Self::Buffer, x: &Self::Buffer, numel: usize);
+
+    /// `out[i, j] = silu(gate_up[i, j]) * gate_up[i, ffn + j]`.
+    fn silu_mul(&self, gate_up: &Self::Buffer, rows: usize, ffn: usize, out: &mut Self::Buffer);
+
+    /// Per-head RMSNorm of the query and key heads of a fused QKV buffer (Qwen3).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm(
+        &self,
+        qkv: &mut Self::Buffer,
+        layout: QkvLayout,
+        rows: usize,
+        q_weight: &Self::Buffer,
+        k_weight: &Self::Buffer,
+        eps: f32,
+    );
+
+    /// NeoX-style rotary embedding of the query and key heads in place. `cos_sin` is
+    /// `[max_positions, rotary_dim]`: `rotary_dim / 2` cosines then as many sines.
+    fn rope(
+        &self,
+        qkv: &mut Self::Buffer,
+        layout: QkvLayout,
+        positions: &Self::Buffer,
+        rows: usize,
+        cos_sin: &Self::Buffer,
+        rotary_dim: usize,
+    );
+
+    /// Writes each token's key and value heads to its slot (`block * block_size + offset`).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_write(
+        &self,
+        qkv: &Self::Buffer,
+        layout: QkvLayout,
+        slot_mapping: &Self::Buffer,
+        rows: usize,
+        cache: CacheLayout,
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+    );
+
+    /// Causal attention of every query token over its sequence's paged context.
+    /// `out` is `[rows, num_heads * head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        &self,
+        qkv: &Self::Buffer,
+        layout: QkvLayout,
+        rows: usize,
+        meta: &AttentionMetadata<'_, Self>,
+        cache: CacheLayout,
+        k_cache: &Self::Buffer,
+        v_cache: &Self::Buffer,
+        scale: f32,
+        out: &mut Self::Buffer,
+    );
+
+    /// `out[i] = x[indices[i]]` for rows of `dim`.
+    fn gather_rows(
+        &self,
+        x: &Self::Buffer,
+        indices: &Self::Buffer,
+        n: usize,
+        dim: usize,
+        out: &mut Self::Buffer,
+    );
+}

@@ -1,0 +1,324 @@
+//! Dot products of one weight row with one activation row.
+//!
+//! For Q8_0/Q4_0/Q4_1 weights the activation row is quantized once per matmul into 8-bit
+//! blocks ([`Q8Block`]) and the dot product runs on integers (AVX2 `maddubs`/`madd`), as
+//! llama.cpp does: decode is bound by weight bytes, and integer dots keep the compute
+//! below the memory time. Other weight types are dequantized block by block and dotted in
+//! f32.
+
+use super::{dequantize_row, f16_at};
+use crate::DType;
+
+pub const Q8_BLOCK: usize = 32;
+
+/// 32 activations as `d * qs[i]`, with `sum = d * Σ qs` kept for the weight offsets of
+/// Q4_0 (−8) and Q4_1 (`m`).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(32))]
+pub struct Q8Block {
+    pub qs: [i8; Q8_BLOCK],
+    pub d: f32,
+    pub sum: f32,
+}
+
+/// Quantizes `x` (a multiple of 32 long) into `out`, one block per 32 values.
+pub fn quantize_row_q8(x: &[f32], out: &mut [Q8Block]) {
+    assert_eq!(x.len(), out.len() * Q8_BLOCK);
+    for (b, xs) in out.iter_mut().zip(x.chunks_exact(Q8_BLOCK)) {
+        let amax = xs.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut s = 0i32;
+        for (q, &v) in b.qs.iter_mut().zip(xs) {
+            *q = (v * inv).round() as i8;
+            s += *q as i32;
+        }
+        b.d = d;
+        b.sum = d * s as f32;
+    }
+}
+
+/// Whether `dtype` rows are dotted against quantized activations.
+pub fn uses_q8_activations(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+}
+
+/// Dot product of weight row `w` (`dtype`, `xf.len()` elements) with an activation row
+/// given both as f32 (`xf`) and, for integer types, quantized (`xq`).
+pub fn vec_dot(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports the features the kernels were compiled for.
+        unsafe {
+            match dtype {
+                DType::Q8_0 => return avx2::dot_q8_0(w, xq),
+                DType::Q4_0 => return avx2::dot_q4(w, xq, 18, false),
+                DType::Q4_1 => return avx2::dot_q4(w, xq, 20, true),
+                _ => {}
+            }
+        }
+    }
+    match dtype {
+        DType::Q8_0 => dot_q8_0_scalar(w, xq),
+        DType::Q4_0 => dot_q4_scalar(w, xq, false),
+        DType::Q4_1 => dot_q4_scalar(w, xq, true),
+        _ => dot_dequantized(dtype, w, xf),
+    }
+}
+
+fn dot_dequantized(dtype: DType, w: &[u8], xf: &[f32]) -> f32 {
+    const CHUNK: usize = 256;
+    let mut buf = [0f32; CHUNK];
+    let bytes_per_chunk = dtype.bytes_for(CHUNK);
+    let mut acc = 0f32;
+    let mut wi = 0;
+    for xs in xf.chunks(CHUNK) {
+        let nb = dtype.bytes_for(xs.len());
+        dequantize_row(dtype, &w[wi..wi + nb], &mut buf[..xs.len()]);
+        wi += nb.min(bytes_per_chunk);
+        acc += vec_dot_f32(&buf[..xs.len()], xs);
+    }
+    acc
+}
+
+/// f32 dot product with several accumulators (FMA on AVX2 machines).
+pub fn vec_dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: features checked above.
+        return unsafe { avx2::dot_f32(a, b) };
+    }
+    dot_f32_portable(a, b)
+}
+
+#[inline(always)]
+fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let ca = a.chunks_exact(16);
+    let cb = b.chunks_exact(16);
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+fn dot_q8_0_scalar(w: &[u8], xq: &[Q8Block]) -> f32 {
+    w.chunks_exact(34)
+        .zip(xq)
+        .map(|(b, x)| {
+            let s: i32 = b[2..34]
+                .iter()
+                .zip(&x.qs)
+                .map(|(&q, &v)| (q as i8) as i32 * v as i32)
+                .sum();
+            f16_at(b, 0) * x.d * s as f32
+        })
+        .sum()
+}
+
+/// Q4_0 is `d * (q - 8)`, Q4_1 is `d * q + m`: both are `d·Σq·x` plus an offset times Σx.
+fn dot_q4_scalar(w: &[u8], xq: &[Q8Block], has_min: bool) -> f32 {
+    let bb = if has_min { 20 } else { 18 };
+    let qoff = bb - 16;
+    w.chunks_exact(bb)
+        .zip(xq)
+        .map(|(b, x)| {
+            let d = f16_at(b, 0);
+            let m = if has_min { f16_at(b, 2) } else { -8.0 * d };
+            let qs = &b[qoff..qoff + 16];
+            let mut s = 0i32;
+            for j in 0..16 {
+                s += (qs[j] & 0x0F) as i32 * x.qs[j] as i32
+                    + (qs[j] >> 4) as i32 * x.qs[j + 16] as i32;
+            }
+            d * x.d * s as f32 + m * x.sum
+        })
+        .sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{f16_at, Q8Block};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let x = _mm256_loadu_ps(pa.add(i + 8 * l));
+                let y = _mm256_loadu_ps(pb.add(i + 8 * l));
+                *acc = _mm256_fmadd_ps(x, y, *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i)),
+                _mm256_loadu_ps(pb.add(i)),
+                acc[0],
+            );
+            i += 8;
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut total = hsum(s);
+        while i < n {
+            total += a[i] * b[i];
+            i += 1;
+        }
+        total
+    }
+
+    /// Sums of `u8 × i8` pairs into eight i32 lanes, converted to f32.
+    #[inline(always)]
+    unsafe fn mul_sum_us8(ux: __m256i, sy: __m256i) -> __m256 {
+        let dot16 = _mm256_maddubs_epi16(ux, sy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q8_0(w: &[u8], xq: &[Q8Block]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (b, x) in w.chunks_exact(34).zip(xq) {
+            let wq = _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i);
+            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
+            // maddubs needs an unsigned operand: move w's sign onto x.
+            let p = mul_sum_us8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * x.d), p, acc);
+        }
+        hsum(acc)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q4(w: &[u8], xq: &[Q8Block], block_bytes: usize, has_min: bool) -> f32 {
+        let qoff = block_bytes - 16;
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = _mm256_setzero_ps();
+        let mut offsets = 0f32;
+        for (b, x) in w.chunks_exact(block_bytes).zip(xq) {
+            let d = f16_at(b, 0);
+            let m = if has_min { f16_at(b, 2) } else { -8.0 * d };
+            let qs = _mm_loadu_si128(b.as_ptr().add(qoff) as *const __m128i);
+            // Low nibbles are elements 0..16, high nibbles 16..32.
+            let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
+            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), mul_sum_us8(q, xv), acc);
+            offsets += m * x.sum;
+        }
+        hsum(acc) + offsets
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::dequantize_row;
+    use rand::{Rng, SeedableRng};
+
+    pub(crate) fn random_row(dtype: DType, n: usize, rng: &mut impl Rng) -> Vec<u8> {
+        crate::quant::testing::random_quant_row(dtype, n, rng)
+    }
+
+    fn q8_dequant(xq: &[Q8Block]) -> Vec<f32> {
+        xq.iter()
+            .flat_map(|b| b.qs.iter().map(move |&q| b.d * q as f32))
+            .collect()
+    }
+
+    #[test]
+    fn integer_dots_match_dequantized_f32() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for dtype in [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4K,
+            DType::Q5K,
+            DType::Q6K,
+        ] {
+            for n in [256usize, 512, 768 + 256] {
+                let w = random_row(dtype, n, &mut rng);
+                let x: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+                let mut xq = vec![Q8Block::default(); n / Q8_BLOCK];
+                quantize_row_q8(&x, &mut xq);
+                let mut wf = vec![0f32; n];
+                dequantize_row(dtype, &w, &mut wf);
+                // Integer kernels see the quantized activations; the others see x itself.
+                let xr = if uses_q8_activations(dtype) {
+                    q8_dequant(&xq)
+                } else {
+                    x.clone()
+                };
+                let want: f64 = wf.iter().zip(&xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let got = vec_dot(dtype, &w, &xq, &x);
+                let scale: f64 = wf
+                    .iter()
+                    .zip(&xr)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                assert!(
+                    (got as f64 - want).abs() <= 1e-5 * scale.max(1.0),
+                    "{dtype} n={n}: got {got}, want {want}"
+                );
+                let portable = match dtype {
+                    DType::Q8_0 => dot_q8_0_scalar(&w, &xq),
+                    DType::Q4_0 => dot_q4_scalar(&w, &xq, false),
+                    DType::Q4_1 => dot_q4_scalar(&w, &xq, true),
+                    _ => dot_dequantized(dtype, &w, &x),
+                };
+                assert!(
+                    (portable as f64 - want).abs() <= 1e-5 * scale.max(1.0),
+                    "{dtype} portable"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn f32_dot_handles_odd_lengths() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for n in [0usize, 1, 7, 8, 31, 33, 100, 577] {
+            let a: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let b: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            assert!((vec_dot_f32(&a, &b) - want).abs() < 1e-4, "n={n}");
+            assert!((dot_f32_portable(&a, &b) - want).abs() < 1e-4, "n={n}");
+        }
+    }
+
+    #[test]
+    fn q8_quantization_round_trips_within_half_a_step() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 30.0) * 0.37).collect();
+        let mut xq = vec![Q8Block::default(); 2];
+        quantize_row_q8(&x, &mut xq);
+        for (b, xs) in xq.iter().zip(x.chunks(32)) {
+            for (&q, &v) in b.qs.iter().zip(xs) {
+                assert!((b.d * q as f32 - v).abs() <= b.d * 0.5 + 1e-6);
+            }
+            let s: i32 = b.qs.iter().map(|&q| q as i32).sum();
+            assert_eq!(b.sum, b.d * s as f32);
+        }
+    }
+}
