@@ -1,0 +1,124 @@
+//! Helpers shared by the engine's integration tests.
+#![allow(dead_code)]
+
+use ingot_backend::cpu::CpuBackend;
+use ingot_engine::{ModelRunner, RunnerConfig, StepInput};
+use ingot_model::WeightDType;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+
+pub fn runner(
+    path: &Path,
+    dtype: WeightDType,
+    budget: usize,
+    max_seqs: usize,
+    max_len: usize,
+    num_blocks: usize,
+) -> ModelRunner<CpuBackend> {
+    let backend = CpuBackend::new(None).unwrap();
+    let (model, _) = ingot_model::load(&backend, path, dtype).unwrap();
+    let cfg = RunnerConfig {
+        max_num_batched_tokens: budget,
+        max_num_seqs: max_seqs,
+        max_model_len: max_len,
+        block_size: 16,
+        num_blocks,
+    };
+    ModelRunner::new(backend, model, cfg).unwrap()
+}
+
+/// Largest |a - b| relative to the largest |b|.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    let mag = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
+    diff / mag.max(1e-6)
+}
+
+/// One sequence's logits at a position, as returned by a step.
+pub struct Observed {
+    pub seq: usize,
+    pub pos: usize,
+    pub logits: Vec<f32>,
+}
+
+/// Feeds every sequence's tokens through the runner in steps that mix prefill chunks of
+/// random length (cut at arbitrary points) with single-token steps, several sequences per
+/// step, with physical blocks handed out in shuffled order. Returns the logits of the last
+/// token of each sequence's slice in each step.
+pub fn run_mixed(
+    runner: &mut ModelRunner<CpuBackend>,
+    seqs: &[Vec<u32>],
+    seed: u64,
+) -> Vec<Observed> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let c = runner.config;
+    let bs = c.block_size;
+    let mut physical: Vec<u32> = (0..c.num_blocks as u32).collect();
+    physical.shuffle(&mut rng);
+    let mut tables: Vec<Vec<u32>> = vec![];
+    for s in seqs {
+        let n = s.len().div_ceil(bs);
+        assert!(physical.len() >= n, "test KV cache too small");
+        tables.push(physical.split_off(physical.len() - n));
+    }
+    let mut done = vec![0usize; seqs.len()];
+    let mut observed = vec![];
+    while done.iter().zip(seqs).any(|(d, s)| d < &s.len()) {
+        let mut input = StepInput::default();
+        let mut order: Vec<usize> = (0..seqs.len())
+            .filter(|&i| done[i] < seqs[i].len())
+            .collect();
+        order.shuffle(&mut rng);
+        order.truncate(c.max_num_seqs);
+        let width = order.iter().map(|&i| tables[i].len()).max().unwrap();
+        input.query_start_loc.push(0);
+        let mut members = vec![];
+        for &i in &order {
+            let room = c.max_num_batched_tokens - input.token_ids.len();
+            if room == 0 {
+                break;
+            }
+            let left = seqs[i].len() - done[i];
+            // Half the time a decode-sized step, otherwise a chunk of random length.
+            let n = if rng.random_bool(0.5) {
+                1
+            } else {
+                rng.random_range(1..=left)
+            }
+            .min(left)
+            .min(room);
+            for p in done[i]..done[i] + n {
+                input.token_ids.push(seqs[i][p]);
+                input.positions.push(p as u32);
+                input
+                    .slot_mapping
+                    .push(tables[i][p / bs] * bs as u32 + (p % bs) as u32);
+            }
+            done[i] += n;
+            input.query_start_loc.push(input.token_ids.len() as u32);
+            input.seq_lens.push(done[i] as u32);
+            let mut t = tables[i].clone();
+            t.resize(width, 0);
+            input.block_tables.extend(t);
+            input.logits_indices.push(input.token_ids.len() as u32 - 1);
+            members.push((i, done[i] - 1));
+        }
+        input.max_blocks_per_seq = width;
+        let logits = runner.execute(&input).unwrap();
+        let v = runner.vocab_size();
+        for (k, (seq, pos)) in members.into_iter().enumerate() {
+            observed.push(Observed {
+                seq,
+                pos,
+                logits: logits[k * v..(k + 1) * v].to_vec(),
+            });
+        }
+    }
+    observed
+}

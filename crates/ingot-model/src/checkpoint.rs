@@ -1,0 +1,398 @@
+//! Model files on disk — an HF safetensors directory or a single GGUF file — seen through
+//! one interface: the config and each weight by its role.
+
+use crate::config::{Arch, ModelConfig, RopeScaling};
+use crate::gguf::{GgufFile, Value};
+use anyhow::{bail, ensure, Context, Result};
+use ingot_backend::DType;
+use memmap2::Mmap;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// What a weight does in the model; `layer` is `None` for the model-level ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Embed,
+    FinalNorm,
+    LmHead,
+    AttnNorm,
+    Q,
+    K,
+    V,
+    O,
+    QBias,
+    KBias,
+    VBias,
+    QNorm,
+    KNorm,
+    FfnNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Role {
+    fn hf_name(self, layer: usize) -> String {
+        let l = |s: &str| format!("model.layers.{layer}.{s}");
+        match self {
+            Role::Embed => "model.embed_tokens.weight".into(),
+            Role::FinalNorm => "model.norm.weight".into(),
+            Role::LmHead => "lm_head.weight".into(),
+            Role::AttnNorm => l("input_layernorm.weight"),
+            Role::Q => l("self_attn.q_proj.weight"),
+            Role::K => l("self_attn.k_proj.weight"),
+            Role::V => l("self_attn.v_proj.weight"),
+            Role::O => l("self_attn.o_proj.weight"),
+            Role::QBias => l("self_attn.q_proj.bias"),
+            Role::KBias => l("self_attn.k_proj.bias"),
+            Role::VBias => l("self_attn.v_proj.bias"),
+            Role::QNorm => l("self_attn.q_norm.weight"),
+            Role::KNorm => l("self_attn.k_norm.weight"),
+            Role::FfnNorm => l("post_attention_layernorm.weight"),
+            Role::Gate => l("mlp.gate_proj.weight"),
+            Role::Up => l("mlp.up_proj.weight"),
+            Role::Down => l("mlp.down_proj.weight"),
+        }
+    }
+
+    fn gguf_name(self, layer: usize) -> String {
+        let l = |s: &str| format!("blk.{layer}.{s}");
+        match self {
+            Role::Embed => "token_embd.weight".into(),
+            Role::FinalNorm => "output_norm.weight".into(),
+            Role::LmHead => "output.weight".into(),
+            Role::AttnNorm => l("attn_norm.weight"),
+            Role::Q => l("attn_q.weight"),
+            Role::K => l("attn_k.weight"),
+            Role::V => l("attn_v.weight"),
+            Role::O => l("attn_output.weight"),
+            Role::QBias => l("attn_q.bias"),
+            Role::KBias => l("attn_k.bias"),
+            Role::VBias => l("attn_v.bias"),
+            Role::QNorm => l("attn_q_norm.weight"),
+            Role::KNorm => l("attn_k_norm.weight"),
+            Role::FfnNorm => l("ffn_norm.weight"),
+            Role::Gate => l("ffn_gate.weight"),
+            Role::Up => l("ffn_up.weight"),
+            Role::Down => l("ffn_down.weight"),
+        }
+    }
+}
+
+/// A weight as stored: `shape` is `[rows, cols]` (row-major) or `[n]`.
+pub struct HostTensor<'a> {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Cow<'a, [u8]>,
+}
+
+impl HostTensor<'_> {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// All values as f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.numel()];
+        ingot_backend::quant::dequantize_row(self.dtype, &self.data, &mut out);
+        out
+    }
+}
+
+/// One memory-mapped safetensors file.
+pub struct Shard {
+    mmap: Mmap,
+    header_len: usize,
+}
+
+/// Where one tensor lies in the shards.
+pub struct SafetensorsEntry {
+    shard: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    range: (usize, usize),
+}
+
+pub enum Checkpoint {
+    Safetensors {
+        dir: PathBuf,
+        shards: Vec<Shard>,
+        entries: HashMap<String, SafetensorsEntry>,
+    },
+    Gguf {
+        path: PathBuf,
+        file: GgufFile,
+    },
+}
+
+impl Checkpoint {
+    /// Opens a `.gguf` file or an HF model directory.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        if path.is_dir() {
+            Self::open_safetensors(path)
+        } else if path.extension().is_some_and(|e| e == "gguf") {
+            Ok(Checkpoint::Gguf {
+                path: path.to_path_buf(),
+                file: GgufFile::open(path)?,
+            })
+        } else if path.exists() {
+            bail!(
+                "{}: expected an HF model directory or a .gguf file",
+                path.display()
+            )
+        } else {
+            bail!("{}: no such file or directory", path.display())
+        }
+    }
+
+    fn open_safetensors(dir: &Path) -> Result<Checkpoint> {
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<String> = if index.exists() {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)
+                .with_context(|| format!("{} is not valid JSON", index.display()))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .context("index has no weight_map")?;
+            let mut f: Vec<String> = map
+                .values()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect();
+            f.sort();
+            f.dedup();
+            f
+        } else if dir.join("model.safetensors").exists() {
+            vec!["model.safetensors".into()]
+        } else {
+            bail!(
+                "{}: no model.safetensors or model.safetensors.index.json",
+                dir.display()
+            );
+        };
+        let mut shards = vec![];
+        let mut entries = HashMap::new();
+        for (i, name) in files.iter().enumerate() {
+            let p = dir.join(name);
+            let file =
+                std::fs::File::open(&p).with_context(|| format!("cannot open {}", p.display()))?;
+            // SAFETY: read-only map of a model file that is not modified while ingot runs.
+            let mmap = unsafe { Mmap::map(&file) }?;
+            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
+                .map_err(|e| anyhow::anyhow!("{}: invalid safetensors header: {e}", p.display()))?;
+            for (tname, info) in meta.tensors() {
+                let dtype = match info.dtype {
+                    safetensors::Dtype::F32 => DType::F32,
+                    safetensors::Dtype::F16 => DType::F16,
+                    safetensors::Dtype::BF16 => DType::BF16,
+                    other => {
+                        // Only weights ingot reads need a supported type; others are skipped.
+                        tracing::debug!("{tname}: dtype {other:?} skipped");
+                        continue;
+                    }
+                };
+                entries.insert(
+                    tname,
+                    SafetensorsEntry {
+                        shard: i,
+                        dtype,
+                        shape: info.shape.clone(),
+                        range: info.data_offsets,
+                    },
+                );
+            }
+            shards.push(Shard {
+                mmap,
+                header_len: 8 + header_len,
+            });
+        }
+        Ok(Checkpoint::Safetensors {
+            dir: dir.to_path_buf(),
+            shards,
+            entries,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        match self {
+            Checkpoint::Safetensors { dir, .. } => dir,
+            Checkpoint::Gguf { path, .. } => path,
+        }
+    }
+
+    pub fn config(&self) -> Result<ModelConfig> {
+        match self {
+            Checkpoint::Safetensors { dir, .. } => {
+                let p = dir.join("config.json");
+                let text = std::fs::read_to_string(&p)
+                    .with_context(|| format!("cannot read {}", p.display()))?;
+                ModelConfig::from_hf_json(&text)
+            }
+            Checkpoint::Gguf { file, .. } => gguf_config(file),
+        }
+    }
+
+    /// The weight with `role` in `layer`, or `None` when the checkpoint has none.
+    pub fn tensor(
+        &self,
+        role: Role,
+        layer: usize,
+        cfg: &ModelConfig,
+    ) -> Result<Option<HostTensor<'_>>> {
+        match self {
+            Checkpoint::Safetensors {
+                shards, entries, ..
+            } => {
+                let name = role.hf_name(layer);
+                let Some(e) = entries.get(&name) else {
+                    return Ok(None);
+                };
+                let s = &shards[e.shard];
+                let data = s
+                    .mmap
+                    .get(s.header_len + e.range.0..s.header_len + e.range.1)
+                    .with_context(|| format!("{name}: data out of range"))?;
+                let t = HostTensor {
+                    dtype: e.dtype,
+                    shape: e.shape.clone(),
+                    data: Cow::Borrowed(data),
+                };
+                ensure!(
+                    t.dtype.bytes_for(t.numel()) == data.len(),
+                    "{name}: {} bytes for shape {:?}",
+                    data.len(),
+                    t.shape
+                );
+                Ok(Some(t))
+            }
+            Checkpoint::Gguf { file, .. } => {
+                let name = role.gguf_name(layer);
+                let Some(info) = file.tensors.get(&name) else {
+                    return Ok(None);
+                };
+                let shape: Vec<usize> = info.dims.iter().rev().copied().collect();
+                let mut t = HostTensor {
+                    dtype: info.dtype,
+                    shape,
+                    data: Cow::Borrowed(file.data(info)),
+                };
+                // llama.cpp's converter interleaves the rotary halves of each Llama q/k head
+                // for its GPT-J style RoPE; undo it to run NeoX-style RoPE like HF.
+                let heads = match role {
+                    Role::Q | Role::QBias => Some(cfg.num_heads),
+                    Role::K | Role::KBias => Some(cfg.num_kv_heads),
+                    _ => None,
+                };
+                if let (Some(heads), "llama") = (heads, gguf_arch(file)?) {
+                    t.data = Cow::Owned(unpermute_rows(&t, heads)?);
+                }
+                Ok(Some(t))
+            }
+        }
+    }
+
+    /// Tensor names present in the checkpoint.
+    pub fn tensor_count(&self) -> usize {
+        match self {
+            Checkpoint::Safetensors { entries, .. } => entries.len(),
+            Checkpoint::Gguf { file, .. } => file.tensors.len(),
+        }
+    }
+}
+
+fn gguf_arch(file: &GgufFile) -> Result<&str> {
+    file.get("general.architecture")
+        .and_then(Value::as_str)
+        .context("GGUF has no general.architecture")
+}
+
+/// Rows `h*hd + 2i + j` (GGUF order) go back to `h*hd + j*hd/2 + i` (HF order).
+fn unpermute_rows(t: &HostTensor<'_>, heads: usize) -> Result<Vec<u8>> {
+    let rows = t.shape[0];
+    let row_bytes = t.data.len() / rows;
+    ensure!(
+        rows % heads == 0 && (rows / heads) % 2 == 0,
+        "cannot split {rows} rows into {heads} rotary heads"
+    );
+    let hd = rows / heads;
+    let mut out = vec![0u8; t.data.len()];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                let src = h * hd + 2 * i + j;
+                let dst = h * hd + j * (hd / 2) + i;
+                out[dst * row_bytes..(dst + 1) * row_bytes]
+                    .copy_from_slice(&t.data[src * row_bytes..(src + 1) * row_bytes]);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
+    let arch_name = gguf_arch(file)?;
+    let arch = Arch::from_name(arch_name)?;
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let num = |k: &str| -> Result<usize> {
+        file.get(&key(k))
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .with_context(|| format!("GGUF metadata lacks `{}`", key(k)))
+    };
+    let float = |k: &str| file.get(&key(k)).and_then(Value::as_f32);
+    let hidden_size = num("embedding_length")?;
+    let num_heads = num("attention.head_count")?;
+    let num_kv_heads = num("attention.head_count_kv").unwrap_or(num_heads);
+    let head_dim = num("attention.key_length").unwrap_or(hidden_size / num_heads);
+    let vocab_size = match num("vocab_size") {
+        Ok(v) => v,
+        Err(_) => file
+            .get("tokenizer.ggml.tokens")
+            .and_then(Value::as_array)
+            .map(<[Value]>::len)
+            .context("GGUF has no vocabulary size")?,
+    };
+    let rope_scaling = if let Some(t) = file.tensors.get("rope_freqs.weight") {
+        ensure!(t.dtype == DType::F32, "rope_freqs.weight must be f32");
+        let b = file.data(t);
+        RopeScaling::FreqFactors(
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        )
+    } else {
+        match file.get(&key("rope.scaling.type")).and_then(Value::as_str) {
+            None | Some("none") => RopeScaling::None,
+            Some("linear") => RopeScaling::Linear { factor: float("rope.scaling.factor").context("linear rope scaling needs a factor")? },
+            Some(other) => bail!("GGUF rope scaling `{other}` is not supported (supported: linear, llama3 frequency factors)"),
+        }
+    };
+    let cfg = ModelConfig {
+        arch,
+        vocab_size,
+        hidden_size,
+        intermediate_size: num("feed_forward_length")?,
+        num_layers: num("block_count")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+        rope_theta: float("rope.freq_base").unwrap_or(10000.0),
+        rope_scaling,
+        max_position_embeddings: num("context_length")?,
+        tie_word_embeddings: !file.tensors.contains_key("output.weight"),
+        qkv_bias: file.tensors.contains_key("blk.0.attn_q.bias"),
+        qk_norm: file.tensors.contains_key("blk.0.attn_q_norm.weight"),
+    };
+    if let Some(dims) = file
+        .get(&key("rope.dimension_count"))
+        .and_then(Value::as_u64)
+    {
+        ensure!(
+            dims as usize == head_dim,
+            "partial rotary embeddings ({dims} of {head_dim} dims) are not supported"
+        );
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}

@@ -1,0 +1,235 @@
+//! The paged forward pass of one engine step, as a sequence of backend ops.
+
+use crate::config::ModelConfig;
+use crate::weights::Weights;
+use anyhow::Result;
+use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
+
+/// The per-step inputs on the device. Sequence `s` owns token rows
+/// `query_start_loc[s]..query_start_loc[s+1]`; `logits_indices` picks the rows whose next
+/// token is wanted (usually each sequence's last).
+pub struct StepBuffers<B: Backend> {
+    pub token_ids: B::Buffer,
+    pub positions: B::Buffer,
+    pub slot_mapping: B::Buffer,
+    pub query_start_loc: B::Buffer,
+    pub seq_lens: B::Buffer,
+    pub block_tables: B::Buffer,
+    pub logits_indices: B::Buffer,
+    pub num_tokens: usize,
+    pub num_seqs: usize,
+    pub max_blocks_per_seq: usize,
+    pub num_logits: usize,
+}
+
+/// Every intermediate of a step, sized once from the token budget.
+pub struct Activations<B: Backend> {
+    hidden: B::Buffer,
+    normed: B::Buffer,
+    proj: B::Buffer,
+    qkv: B::Buffer,
+    attn: B::Buffer,
+    gate_up: B::Buffer,
+    act: B::Buffer,
+    last: B::Buffer,
+    last_normed: B::Buffer,
+    pub logits: B::Buffer,
+    cos_sin: B::Buffer,
+    pub max_tokens: usize,
+    pub max_logits: usize,
+    pub max_positions: usize,
+    pub bytes: usize,
+}
+
+impl<B: Backend> Activations<B> {
+    /// Buffers for steps of up to `max_tokens` tokens, `max_logits` sampled rows and
+    /// positions below `max_positions`.
+    pub fn new(
+        b: &B,
+        cfg: &ModelConfig,
+        max_tokens: usize,
+        max_logits: usize,
+        max_positions: usize,
+    ) -> Result<Self> {
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let qkv_len = cfg.q_size() + 2 * cfg.kv_size();
+        let sizes = [
+            max_tokens * d,
+            max_tokens * d,
+            max_tokens * d,
+            max_tokens * qkv_len,
+            max_tokens * cfg.q_size(),
+            max_tokens * 2 * f,
+            max_tokens * f,
+            max_logits * d,
+            max_logits * d,
+            max_logits * cfg.vocab_size,
+        ];
+        let mut bufs = sizes
+            .iter()
+            .map(|&n| b.alloc(DType::F32, n))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter();
+        let mut cos_sin = b.alloc(DType::F32, max_positions * cfg.head_dim)?;
+        b.upload(
+            &mut cos_sin,
+            bytemuck::cast_slice(&crate::rope::cos_sin_table(cfg, max_positions)),
+        )?;
+        let mut next = || bufs.next().expect("one buffer per size");
+        Ok(Activations {
+            hidden: next(),
+            normed: next(),
+            proj: next(),
+            qkv: next(),
+            attn: next(),
+            gate_up: next(),
+            act: next(),
+            last: next(),
+            last_normed: next(),
+            logits: next(),
+            cos_sin,
+            max_tokens,
+            max_logits,
+            max_positions,
+            bytes: 4 * (sizes.iter().sum::<usize>() + max_positions * cfg.head_dim),
+        })
+    }
+}
+
+/// The paged KV cache: per layer a key and a value buffer of
+/// `[num_blocks, block_size, num_kv_heads, head_dim]`.
+pub struct KvCache<B: Backend> {
+    pub layers: Vec<(B::Buffer, B::Buffer)>,
+    pub layout: CacheLayout,
+    pub bytes: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(b: &B, cfg: &ModelConfig, layout: CacheLayout) -> Result<Self> {
+        let numel = layout.num_blocks * layout.block_size * cfg.kv_size();
+        let layers = (0..cfg.num_layers)
+            .map(|_| Ok((b.alloc(DType::F32, numel)?, b.alloc(DType::F32, numel)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache {
+            layers,
+            layout,
+            bytes: 2 * 4 * numel * cfg.num_layers,
+        })
+    }
+
+    /// Bytes one block takes across all layers (keys and values, f32).
+    pub fn block_bytes(cfg: &ModelConfig, block_size: usize) -> usize {
+        2 * 4 * block_size * cfg.kv_size() * cfg.num_layers
+    }
+}
+
+pub struct Model<B: Backend> {
+    pub config: ModelConfig,
+    pub weights: Weights<B>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Runs one step; the logits of the `num_logits` selected rows are left in
+    /// `acts.logits` as `[num_logits, vocab_size]`.
+    pub fn forward(
+        &self,
+        b: &B,
+        step: &StepBuffers<B>,
+        acts: &mut Activations<B>,
+        kv: &mut KvCache<B>,
+    ) {
+        let cfg = &self.config;
+        let w = &self.weights;
+        let t = step.num_tokens;
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        assert!(
+            t <= acts.max_tokens && step.num_logits <= acts.max_logits,
+            "step exceeds the sized activations"
+        );
+        let layout = QkvLayout {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        let meta = AttentionMetadata {
+            query_start_loc: &step.query_start_loc,
+            seq_lens: &step.seq_lens,
+            block_tables: &step.block_tables,
+            num_seqs: step.num_seqs,
+            max_blocks_per_seq: step.max_blocks_per_seq,
+        };
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        let a = acts;
+        b.embedding(&w.embed, &step.token_ids, t, d, &mut a.hidden);
+        for (layer, (kc, vc)) in w.layers.iter().zip(kv.layers.iter_mut()) {
+            b.rms_norm(
+                &a.hidden,
+                &layer.attn_norm,
+                cfg.rms_norm_eps,
+                t,
+                d,
+                &mut a.normed,
+            );
+            layer.qkv.forward(b, &a.normed, t, &mut a.qkv);
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
+            }
+            b.rope(
+                &mut a.qkv,
+                layout,
+                &step.positions,
+                t,
+                &a.cos_sin,
+                cfg.head_dim,
+            );
+            b.kv_write(&a.qkv, layout, &step.slot_mapping, t, kv.layout, kc, vc);
+            b.paged_attention(
+                &a.qkv,
+                layout,
+                t,
+                &meta,
+                kv.layout,
+                kc,
+                vc,
+                scale,
+                &mut a.attn,
+            );
+            layer.o.forward(b, &a.attn, t, &mut a.proj);
+            b.add_assign(&mut a.hidden, &a.proj, t * d);
+            b.rms_norm(
+                &a.hidden,
+                &layer.ffn_norm,
+                cfg.rms_norm_eps,
+                t,
+                d,
+                &mut a.normed,
+            );
+            layer.gate_up.forward(b, &a.normed, t, &mut a.gate_up);
+            b.silu_mul(&a.gate_up, t, f, &mut a.act);
+            layer.down.forward(b, &a.act, t, &mut a.proj);
+            b.add_assign(&mut a.hidden, &a.proj, t * d);
+        }
+        // Only the sampled rows need the final norm and the vocabulary projection.
+        let n = step.num_logits;
+        b.gather_rows(&a.hidden, &step.logits_indices, n, d, &mut a.last);
+        b.rms_norm(
+            &a.last,
+            &w.final_norm,
+            cfg.rms_norm_eps,
+            n,
+            d,
+            &mut a.last_normed,
+        );
+        match &w.lm_head {
+            Some(head) => head.forward(b, &a.last_normed, n, &mut a.logits),
+            None => {
+                let out = MatmulOut {
+                    buf: &mut a.logits,
+                    row_stride: cfg.vocab_size,
+                    col_offset: 0,
+                };
+                b.matmul(&a.last_normed, &w.embed, None, n, cfg.vocab_size, d, out);
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Models: configs, checkpoints (HF safetensors directories, GGUF files), tokenizers and
+//! chat templates, and the forward pass as a sequence of backend ops.
+
+pub mod chat;
+pub mod checkpoint;
+pub mod config;
+pub mod forward;
+pub mod gguf;
+pub mod reference;
+pub mod rope;
+pub mod synthetic;
+pub mod testing;
+pub mod tokenizer;
+pub mod weights;
+
+pub use checkpoint::Checkpoint;
+pub use config::{Arch, ModelConfig};
+pub use forward::{Activations, KvCache, Model, StepBuffers};
+pub use tokenizer::Tokenizer;
+pub use weights::WeightDType;
+
+use anyhow::Result;
+use ingot_backend::Backend;
+use std::path::Path;
+
+/// Loads the model at `path` (HF directory or `.gguf`) onto `backend`, with its tokenizer.
+pub fn load<B: Backend>(
+    backend: &B,
+    path: &Path,
+    dtype: WeightDType,
+) -> Result<(Model<B>, Tokenizer)> {
+    let ckpt = Checkpoint::open(path)?;
+    let config = ckpt.config()?;
+    let tokenizer = Tokenizer::from_checkpoint(&ckpt)?;
+    let weights = weights::Weights::load(backend, &ckpt, &config, dtype)?;
+    tracing::info!(
+        "loaded {:?} from {}: {} layers, hidden {}, {} heads / {} kv heads, vocab {}, weights {:.1} MiB",
+        config.arch,
+        path.display(),
+        config.num_layers,
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.vocab_size,
+        weights.bytes as f64 / (1 << 20) as f64
+    );
+    Ok((Model { config, weights }, tokenizer))
+}

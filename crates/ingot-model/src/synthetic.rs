@@ -1,0 +1,173 @@
+//! Tiny random models written as HF directories, so every architecture is exercised
+//! without downloads.
+
+use crate::config::Arch;
+use anyhow::{anyhow, Result};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::Path;
+use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::pre_tokenizers::whitespace::Whitespace;
+
+pub struct SyntheticSpec {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub tie_word_embeddings: bool,
+    pub seed: u64,
+}
+
+impl SyntheticSpec {
+    /// A small model of `arch` with GQA and an explicit head_dim that differs from
+    /// hidden/heads, so shape mistakes cannot cancel out.
+    pub fn tiny(arch: Arch) -> SyntheticSpec {
+        SyntheticSpec {
+            arch,
+            vocab_size: 97,
+            hidden_size: 64,
+            intermediate_size: 96,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 32,
+            tie_word_embeddings: matches!(arch, Arch::Qwen2 | Arch::Qwen3),
+            seed: 42,
+        }
+    }
+
+    /// Writes config.json, model.safetensors and tokenizer.json into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let mut rng = StdRng::seed_from_u64(self.seed);
+        let (d, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = vec![];
+        let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+            let n = shape.iter().product();
+            let vals = (0..n)
+                .map(|_| offset + scale * rng.random_range(-1.0f32..1.0))
+                .collect();
+            tensors.push((name, shape, vals));
+        };
+        let w = 1.0 / (d as f32).sqrt();
+        add(
+            "model.embed_tokens.weight".into(),
+            vec![self.vocab_size, d],
+            1.0,
+            0.0,
+        );
+        for l in 0..self.num_layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            add(p("input_layernorm.weight"), vec![d], 0.2, 1.0);
+            add(p("self_attn.q_proj.weight"), vec![q, d], w, 0.0);
+            add(p("self_attn.k_proj.weight"), vec![kv, d], w, 0.0);
+            add(p("self_attn.v_proj.weight"), vec![kv, d], w, 0.0);
+            if self.arch == Arch::Qwen2 {
+                add(p("self_attn.q_proj.bias"), vec![q], 0.1, 0.0);
+                add(p("self_attn.k_proj.bias"), vec![kv], 0.1, 0.0);
+                add(p("self_attn.v_proj.bias"), vec![kv], 0.1, 0.0);
+            }
+            if self.arch == Arch::Qwen3 {
+                add(p("self_attn.q_norm.weight"), vec![hd], 0.2, 1.0);
+                add(p("self_attn.k_norm.weight"), vec![hd], 0.2, 1.0);
+            }
+            add(
+                p("self_attn.o_proj.weight"),
+                vec![d, q],
+                1.0 / (q as f32).sqrt(),
+                0.0,
+            );
+            add(p("post_attention_layernorm.weight"), vec![d], 0.2, 1.0);
+            add(p("mlp.gate_proj.weight"), vec![f, d], w, 0.0);
+            add(p("mlp.up_proj.weight"), vec![f, d], w, 0.0);
+            add(
+                p("mlp.down_proj.weight"),
+                vec![d, f],
+                1.0 / (f as f32).sqrt(),
+                0.0,
+            );
+        }
+        add("model.norm.weight".into(), vec![d], 0.2, 1.0);
+        if !self.tie_word_embeddings {
+            add("lm_head.weight".into(), vec![self.vocab_size, d], w, 0.0);
+        }
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(n, s, v)| (n, s, bytemuck::cast_slice(&v).to_vec()))
+            .collect();
+        let views = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                Ok((
+                    n.clone(),
+                    TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| anyhow!("{e}"))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))
+            .map_err(|e| anyhow!("{e}"))?;
+
+        let model_type = match self.arch {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        };
+        let config = json!({
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": d,
+            "intermediate_size": f,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": hd,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "eos_token_id": 1,
+        });
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(&config)?,
+        )?;
+
+        let vocab: HashMap<String, u32> = (0..self.vocab_size as u32)
+            .map(|i| {
+                (
+                    match i {
+                        0 => "<unk>".to_string(),
+                        1 => "</s>".to_string(),
+                        i => format!("w{i}"),
+                    },
+                    i,
+                )
+            })
+            .collect();
+        let model = WordLevel::builder()
+            .vocab(vocab.into_iter().collect())
+            .unk_token("<unk>".into())
+            .build()
+            .map_err(|e| anyhow!("{e}"))?;
+        let mut tok = tokenizers::Tokenizer::new(model);
+        tok.with_pre_tokenizer(Some(Whitespace {}));
+        tok.save(dir.join("tokenizer.json"), false)
+            .map_err(|e| anyhow!("{e}"))?;
+        let tcfg = json!({"eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"});
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&tcfg)?,
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,331 @@
+//! Model weights on a backend: loaded once, converted to the requested dtype, with the
+//! q/k/v and gate/up projections fused into single matrices where their dtypes agree.
+
+use crate::checkpoint::{Checkpoint, HostTensor, Role};
+use crate::config::ModelConfig;
+use anyhow::{bail, ensure, Context, Result};
+use half::{bf16, f16};
+use indicatif::{ProgressBar, ProgressStyle};
+use ingot_backend::{Backend, DType, MatmulOut};
+use std::str::FromStr;
+
+/// `--dtype`: `Auto` keeps the checkpoint's type (GGUF stays quantized).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDType {
+    Auto,
+    F32,
+    F16,
+    BF16,
+}
+
+impl FromStr for WeightDType {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => WeightDType::Auto,
+            "f32" | "float32" => WeightDType::F32,
+            "f16" | "float16" | "half" => WeightDType::F16,
+            "bf16" | "bfloat16" => WeightDType::BF16,
+            other => bail!("unknown dtype `{other}` (expected auto, f32, f16 or bf16)"),
+        })
+    }
+}
+
+/// One stored matrix of a linear layer: `rows` output features, optional bias.
+pub struct LinearPart<B: Backend> {
+    pub weight: B::Buffer,
+    pub rows: usize,
+    pub bias: Option<B::Buffer>,
+}
+
+/// A linear layer whose output row is the concatenation of its parts' outputs.
+pub struct Linear<B: Backend> {
+    pub parts: Vec<LinearPart<B>>,
+    pub in_features: usize,
+}
+
+impl<B: Backend> Linear<B> {
+    pub fn out_features(&self) -> usize {
+        self.parts.iter().map(|p| p.rows).sum()
+    }
+
+    /// `out[:rows, :out_features] = x · Wᵀ + b` with `out` rows of `out_features`.
+    pub fn forward(&self, b: &B, x: &B::Buffer, rows: usize, out: &mut B::Buffer) {
+        let ld = self.out_features();
+        let mut col = 0;
+        for p in &self.parts {
+            let dst = MatmulOut {
+                buf: &mut *out,
+                row_stride: ld,
+                col_offset: col,
+            };
+            b.matmul(
+                x,
+                &p.weight,
+                p.bias.as_ref(),
+                rows,
+                p.rows,
+                self.in_features,
+                dst,
+            );
+            col += p.rows;
+        }
+    }
+}
+
+pub struct LayerWeights<B: Backend> {
+    pub attn_norm: B::Buffer,
+    pub qkv: Linear<B>,
+    pub q_norm: Option<B::Buffer>,
+    pub k_norm: Option<B::Buffer>,
+    pub o: Linear<B>,
+    pub ffn_norm: B::Buffer,
+    pub gate_up: Linear<B>,
+    pub down: Linear<B>,
+}
+
+pub struct Weights<B: Backend> {
+    pub embed: B::Buffer,
+    pub embed_dtype: DType,
+    pub layers: Vec<LayerWeights<B>>,
+    pub final_norm: B::Buffer,
+    /// `None` when the output projection is tied to the embedding.
+    pub lm_head: Option<Linear<B>>,
+    pub bytes: usize,
+}
+
+struct Loader<'a, B: Backend> {
+    b: &'a B,
+    ckpt: &'a Checkpoint,
+    cfg: &'a ModelConfig,
+    dtype: WeightDType,
+    bytes: usize,
+    progress: ProgressBar,
+}
+
+/// Raw bytes of `t` converted to `target` (quantized data is dequantized first).
+fn convert(t: &HostTensor<'_>, target: DType) -> Vec<u8> {
+    if t.dtype == target {
+        return t.data.to_vec();
+    }
+    let vals = t.to_f32();
+    match target {
+        DType::F32 => bytemuck::cast_slice(&vals).to_vec(),
+        DType::F16 => vals
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::BF16 => vals
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        other => unreachable!("no conversion to {other}"),
+    }
+}
+
+impl<'a, B: Backend> Loader<'a, B> {
+    fn get(&self, role: Role, layer: usize) -> Result<Option<HostTensor<'a>>> {
+        let t = self.ckpt.tensor(role, layer, self.cfg)?;
+        if t.is_some() {
+            self.progress.inc(1);
+        }
+        Ok(t)
+    }
+
+    fn require(&self, role: Role, layer: usize) -> Result<HostTensor<'a>> {
+        self.get(role, layer)?.with_context(|| {
+            format!(
+                "{}: missing weight {role:?} of layer {layer}",
+                self.ckpt.path().display()
+            )
+        })
+    }
+
+    fn upload(&mut self, dtype: DType, numel: usize, bytes: &[u8]) -> Result<B::Buffer> {
+        let mut buf = self.b.alloc(dtype, numel)?;
+        self.b.upload(&mut buf, bytes)?;
+        self.bytes += bytes.len();
+        Ok(buf)
+    }
+
+    /// A 1-D weight (norm or bias) as f32, checked to have `len` values.
+    fn vector(&mut self, t: &HostTensor<'_>, len: usize, what: &str) -> Result<B::Buffer> {
+        ensure!(
+            t.numel() == len,
+            "{what}: expected {len} values, found shape {:?}",
+            t.shape
+        );
+        let data = convert(t, DType::F32);
+        self.upload(DType::F32, len, &data)
+    }
+
+    fn matrix_dtype(&self, t: &HostTensor<'_>) -> DType {
+        match self.dtype {
+            WeightDType::Auto => t.dtype,
+            WeightDType::F32 => DType::F32,
+            WeightDType::F16 => DType::F16,
+            WeightDType::BF16 => DType::BF16,
+        }
+    }
+
+    /// Stacks matrices with the same input width into as few parts as their dtypes allow.
+    fn linear(
+        &mut self,
+        mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
+        in_features: usize,
+        what: &str,
+    ) -> Result<Linear<B>> {
+        let mut parts: Vec<LinearPart<B>> = vec![];
+        let mut pending: Vec<(DType, Vec<u8>, usize, Option<Vec<f32>>)> = vec![];
+        for (w, bias, rows) in mats {
+            ensure!(
+                w.shape == [rows, in_features],
+                "{what}: expected shape [{rows}, {in_features}], found {:?}",
+                w.shape
+            );
+            let dtype = self.matrix_dtype(&w);
+            ensure!(
+                in_features % dtype.block_len() == 0,
+                "{what}: {in_features} columns are not whole {dtype} blocks"
+            );
+            let bias = match bias {
+                Some(b) => {
+                    ensure!(
+                        b.numel() == rows,
+                        "{what}: bias of {} values for {rows} rows",
+                        b.numel()
+                    );
+                    Some(b.to_f32())
+                }
+                None => None,
+            };
+            let data = convert(&w, dtype);
+            match pending.last_mut() {
+                Some(last) if last.0 == dtype && last.3.is_some() == bias.is_some() => {
+                    last.1.extend_from_slice(&data);
+                    last.2 += rows;
+                    if let (Some(acc), Some(b)) = (last.3.as_mut(), bias) {
+                        acc.extend(b);
+                    }
+                }
+                _ => pending.push((dtype, data, rows, bias)),
+            }
+        }
+        for (dtype, data, rows, bias) in pending {
+            let weight = self.upload(dtype, rows * in_features, &data)?;
+            let bias = match bias {
+                Some(b) => Some(self.upload(DType::F32, rows, bytemuck::cast_slice(&b))?),
+                None => None,
+            };
+            parts.push(LinearPart { weight, rows, bias });
+        }
+        Ok(Linear { parts, in_features })
+    }
+}
+
+impl<B: Backend> Weights<B> {
+    pub fn load(
+        b: &B,
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        dtype: WeightDType,
+    ) -> Result<Weights<B>> {
+        let progress = ProgressBar::new(ckpt.tensor_count() as u64).with_style(
+            ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors")
+                .expect("valid template"),
+        );
+        let mut l = Loader {
+            b,
+            ckpt,
+            cfg,
+            dtype,
+            bytes: 0,
+            progress,
+        };
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let embed_t = l.require(Role::Embed, 0)?;
+        ensure!(
+            embed_t.shape == [cfg.vocab_size, d],
+            "embedding: expected [{}, {d}], found {:?}",
+            cfg.vocab_size,
+            embed_t.shape
+        );
+        let embed_dtype = l.matrix_dtype(&embed_t);
+        let embed = {
+            let data = convert(&embed_t, embed_dtype);
+            l.upload(embed_dtype, cfg.vocab_size * d, &data)?
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let what = |s: &str| format!("layer {i} {s}");
+            let attn_norm = l.require(Role::AttnNorm, i)?;
+            let attn_norm = l.vector(&attn_norm, d, &what("attention norm"))?;
+            let bias = |r: Role| {
+                if cfg.qkv_bias {
+                    l.require(r, i).map(Some)
+                } else {
+                    l.get(r, i)
+                }
+            };
+            let (q, k, v) = (
+                l.require(Role::Q, i)?,
+                l.require(Role::K, i)?,
+                l.require(Role::V, i)?,
+            );
+            let (qb, kb, vb) = (bias(Role::QBias)?, bias(Role::KBias)?, bias(Role::VBias)?);
+            let qkv = l.linear(
+                vec![
+                    (q, qb, cfg.q_size()),
+                    (k, kb, cfg.kv_size()),
+                    (v, vb, cfg.kv_size()),
+                ],
+                d,
+                &what("qkv"),
+            )?;
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                let (qn, kn) = (l.require(Role::QNorm, i)?, l.require(Role::KNorm, i)?);
+                (
+                    Some(l.vector(&qn, cfg.head_dim, &what("q norm"))?),
+                    Some(l.vector(&kn, cfg.head_dim, &what("k norm"))?),
+                )
+            } else {
+                (None, None)
+            };
+            let o = l.require(Role::O, i)?;
+            let o = l.linear(vec![(o, None, d)], cfg.q_size(), &what("o_proj"))?;
+            let ffn_norm = l.require(Role::FfnNorm, i)?;
+            let ffn_norm = l.vector(&ffn_norm, d, &what("ffn norm"))?;
+            let (g, u) = (l.require(Role::Gate, i)?, l.require(Role::Up, i)?);
+            let gate_up = l.linear(vec![(g, None, f), (u, None, f)], d, &what("gate/up"))?;
+            let down = l.require(Role::Down, i)?;
+            let down = l.linear(vec![(down, None, d)], f, &what("down_proj"))?;
+            layers.push(LayerWeights {
+                attn_norm,
+                qkv,
+                q_norm,
+                k_norm,
+                o,
+                ffn_norm,
+                gate_up,
+                down,
+            });
+        }
+        let final_norm = l.require(Role::FinalNorm, 0)?;
+        let final_norm = l.vector(&final_norm, d, "final norm")?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            let t = l.require(Role::LmHead, 0)?;
+            Some(l.linear(vec![(t, None, cfg.vocab_size)], d, "lm_head")?)
+        };
+        l.progress.finish_and_clear();
+        Ok(Weights {
+            embed,
+            embed_dtype,
+            layers,
+            final_norm,
+            lm_head,
+            bytes: l.bytes,
+        })
+    }
+}
