@@ -63,7 +63,7 @@ impl Backend for CpuBackend {
 
     fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<CpuBuffer> {
         anyhow::ensure!(
-            numel % dtype.block_len() == 0,
+            numel.is_multiple_of(dtype.block_len()),
             "{numel} elements are not whole {dtype} blocks"
         );
         Ok(CpuBuffer::zeroed(dtype, numel))

@@ -135,11 +135,13 @@ fn dot_q4_scalar(w: &[u8], xq: &[Q8Block], has_min: bool) -> f32 {
             let d = f16_at(b, 0);
             let m = if has_min { f16_at(b, 2) } else { -8.0 * d };
             let qs = &b[qoff..qoff + 16];
-            let mut s = 0i32;
-            for j in 0..16 {
-                s += (qs[j] & 0x0F) as i32 * x.qs[j] as i32
-                    + (qs[j] >> 4) as i32 * x.qs[j + 16] as i32;
-            }
+            let (lo, hi) = x.qs.split_at(16);
+            let s: i32 = qs
+                .iter()
+                .zip(lo)
+                .zip(hi)
+                .map(|((&q, &l), &h)| (q & 0x0F) as i32 * l as i32 + (q >> 4) as i32 * h as i32)
+                .sum();
             d * x.d * s as f32 + m * x.sum
         })
         .sum()

@@ -1,0 +1,30 @@
+# ingot — the two commands a newcomer needs: `make run` and `make test`.
+SHELL := /bin/bash
+CARGO ?= cargo
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: run test model build bench-cpu fixtures
+
+model:
+	@scripts/fetch-test-model >/dev/null
+
+build:
+	$(CARGO) build --release -p ingot
+
+# Fetch the default model if missing, build, and generate a short chat answer.
+run: model build
+	./target/release/ingot generate --model "$$(scripts/fetch-test-model)" --chat --prompt "$(PROMPT)" --max-tokens 64
+
+# Everything CI checks: formatting, lints, and the full test suite on the real model.
+test: model
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets --all-features -- -D warnings
+	$(CARGO) test --workspace
+
+# Side-by-side CPU throughput with llama.cpp on the same GGUF (builds llama-bench once).
+bench-cpu: model build
+	bench/cpu-vs-llama-cpp.sh
+
+# Regenerate the transformers fixtures (needs torch, transformers, gguf, accelerate).
+fixtures: model
+	python3 tools/reference/make_fixtures.py "$$(scripts/fetch-test-model)" tests/fixtures/smollm2
