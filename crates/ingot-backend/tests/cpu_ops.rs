@@ -1,4 +1,5 @@
 //! Every CPU op against a naive scalar implementation on random inputs, odd sizes included.
+#![allow(clippy::needless_range_loop)] // naive references read best as index loops
 
 use half::{bf16, f16};
 use ingot_backend::cpu::{CpuBackend, CpuBuffer, GEMV_MAX_ROWS};

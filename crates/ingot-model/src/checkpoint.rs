@@ -311,7 +311,7 @@ fn unpermute_rows(t: &HostTensor<'_>, heads: usize) -> Result<Vec<u8>> {
     let rows = t.shape[0];
     let row_bytes = t.data.len() / rows;
     ensure!(
-        rows % heads == 0 && (rows / heads) % 2 == 0,
+        rows.is_multiple_of(heads) && (rows / heads).is_multiple_of(2),
         "cannot split {rows} rows into {heads} rotary heads"
     );
     let hd = rows / heads;

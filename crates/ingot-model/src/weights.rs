@@ -176,7 +176,9 @@ impl<'a, B: Backend> Loader<'a, B> {
         what: &str,
     ) -> Result<Linear<B>> {
         let mut parts: Vec<LinearPart<B>> = vec![];
-        let mut pending: Vec<(DType, Vec<u8>, usize, Option<Vec<f32>>)> = vec![];
+        // (dtype, stacked rows, row count, stacked biases)
+        type Stack = (DType, Vec<u8>, usize, Option<Vec<f32>>);
+        let mut pending: Vec<Stack> = vec![];
         for (w, bias, rows) in mats {
             ensure!(
                 w.shape == [rows, in_features],
@@ -185,7 +187,7 @@ impl<'a, B: Backend> Loader<'a, B> {
             );
             let dtype = self.matrix_dtype(&w);
             ensure!(
-                in_features % dtype.block_len() == 0,
+                in_features.is_multiple_of(dtype.block_len()),
                 "{what}: {in_features} columns are not whole {dtype} blocks"
             );
             let bias = match bias {
