@@ -35,6 +35,9 @@ pub struct Args {
     temperature: f32,
     #[arg(long)]
     seed: Option<u64>,
+    /// Keep generating past the end-of-sequence token (for benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
     /// auto keeps the checkpoint's dtype (GGUF stays quantized); f32, f16 or bf16 convert.
     #[arg(long, default_value = "auto")]
     dtype: WeightDType,
@@ -84,7 +87,7 @@ pub fn run(args: Args) -> Result<()> {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
         seed: args.seed,
-        stop_token_ids: tokenizer.eos_token_ids.clone(),
+        stop_token_ids: if args.ignore_eos { vec![] } else { tokenizer.eos_token_ids.clone() },
     };
     let out = generator.generate(&prompt, &opts, false)?;
     let text = tokenizer.decode(&out.token_ids, true)?;

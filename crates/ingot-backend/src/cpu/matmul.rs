@@ -14,6 +14,8 @@ use std::cell::RefCell;
 
 /// Up to this many activation rows take the dot-product path.
 pub const GEMV_MAX_ROWS: usize = 4;
+/// Weight rows per parallel task in the dot-product path.
+const GEMV_CHUNK: usize = 32;
 /// Weight rows dequantized per tile in the GEMM path.
 const TILE_ROWS: usize = 64;
 
@@ -96,19 +98,17 @@ pub unsafe fn matmul(
                 &[]
             };
             let nb = k / Q8_BLOCK;
-            par_rows(n, |j| {
-                let row = &wb[j * row_bytes..(j + 1) * row_bytes];
+            (0..n.div_ceil(GEMV_CHUNK)).into_par_iter().for_each(|c| {
+                let j0 = c * GEMV_CHUNK;
+                let rows = GEMV_CHUNK.min(n - j0);
+                let w = &wb[j0 * row_bytes..(j0 + rows) * row_bytes];
+                let mut buf = [0f32; GEMV_CHUNK];
                 for i in 0..m {
-                    let xqi = if xq.is_empty() {
-                        &[][..]
-                    } else {
-                        &xq[i * nb..(i + 1) * nb]
-                    };
-                    dst.write(
-                        i,
-                        j,
-                        quant::vec_dot(dtype, row, xqi, &x[i * k..(i + 1) * k]),
-                    );
+                    let xqi = if xq.is_empty() { &[][..] } else { &xq[i * nb..(i + 1) * nb] };
+                    quant::dot_rows(dtype, w, xqi, &x[i * k..(i + 1) * k], &mut buf[..rows]);
+                    for (r, &v) in buf[..rows].iter().enumerate() {
+                        dst.write(i, j0 + r, v);
+                    }
                 }
             });
         }

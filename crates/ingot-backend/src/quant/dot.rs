@@ -47,7 +47,10 @@ pub fn uses_q8_activations(dtype: DType) -> bool {
 /// given both as f32 (`xf`) and, for integer types, quantized (`xq`).
 pub fn vec_dot(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernels were compiled for.
         unsafe {
             match dtype {
@@ -63,6 +66,32 @@ pub fn vec_dot(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32]) -> f32 {
         DType::Q4_0 => dot_q4_scalar(w, xq, false),
         DType::Q4_1 => dot_q4_scalar(w, xq, true),
         _ => dot_dequantized(dtype, w, xf),
+    }
+}
+
+/// Dot products of consecutive weight rows (`out.len()` of them, `xf.len()` elements each)
+/// with one activation row. Keeping the row loop inside the SIMD kernels lets them run
+/// with no per-row dispatch.
+pub fn dot_rows(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32], out: &mut [f32]) {
+    let row_bytes = dtype.bytes_for(xf.len());
+    assert!(w.len() >= out.len() * row_bytes);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: the CPU supports the features the kernels were compiled for.
+        unsafe {
+            match dtype {
+                DType::Q8_0 => return avx2::rows_q8_0(w, row_bytes, xq, out),
+                DType::Q4_0 => return avx2::rows_q4(w, row_bytes, xq, false, out),
+                DType::Q4_1 => return avx2::rows_q4(w, row_bytes, xq, true, out),
+                _ => {}
+            }
+        }
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = vec_dot(dtype, &w[j * row_bytes..(j + 1) * row_bytes], xq, xf);
     }
 }
 
@@ -200,36 +229,97 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)))
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q8_0(w: &[u8], xq: &[Q8Block]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        for (b, x) in w.chunks_exact(34).zip(xq) {
-            let wq = _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i);
-            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
-            // maddubs needs an unsigned operand: move w's sign onto x.
-            let p = mul_sum_us8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * x.d), p, acc);
-        }
-        hsum(acc)
+    /// Two f16 values stored side by side (a block's `d` and `m`).
+    #[inline(always)]
+    unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4(w: &[u8], xq: &[Q8Block], block_bytes: usize, has_min: bool) -> f32 {
-        let qoff = block_bytes - 16;
-        let low = _mm256_set1_epi8(0x0F);
-        let mut acc = _mm256_setzero_ps();
-        let mut offsets = 0f32;
-        for (b, x) in w.chunks_exact(block_bytes).zip(xq) {
-            let d = f16_at(b, 0);
-            let m = if has_min { f16_at(b, 2) } else { -8.0 * d };
-            let qs = _mm_loadu_si128(b.as_ptr().add(qoff) as *const __m128i);
-            // Low nibbles are elements 0..16, high nibbles 16..32.
-            let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
-            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), mul_sum_us8(q, xv), acc);
-            offsets += m * x.sum;
+    #[inline(always)]
+    unsafe fn f16_one(p: *const u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+    }
+
+    #[inline(always)]
+    unsafe fn q8_0_block(b: *const u8, x: &Q8Block, acc: __m256) -> __m256 {
+        let wq = _mm256_loadu_si256(b.add(2) as *const __m256i);
+        let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
+        // maddubs needs an unsigned operand: move w's sign onto x.
+        let p = mul_sum_us8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
+        _mm256_fmadd_ps(_mm256_set1_ps(f16_one(b) * x.d), p, acc)
+    }
+
+    #[inline(always)]
+    unsafe fn q8_0_row(w: *const u8, xq: &[Q8Block]) -> f32 {
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let pairs = xq.len() / 2;
+        for i in 0..pairs {
+            a0 = q8_0_block(w.add(68 * i), &xq[2 * i], a0);
+            a1 = q8_0_block(w.add(68 * i + 34), &xq[2 * i + 1], a1);
         }
-        hsum(acc) + offsets
+        if xq.len() % 2 == 1 {
+            a0 = q8_0_block(w.add(68 * pairs), &xq[2 * pairs], a0);
+        }
+        hsum(_mm256_add_ps(a0, a1))
+    }
+
+    /// Adds one Q4_0/Q4_1 block's `d·Σq·x` to `acc`; returns the offset term `m·Σx`.
+    #[inline(always)]
+    unsafe fn q4_block(b: *const u8, x: &Q8Block, has_min: bool, acc: &mut __m256) -> f32 {
+        let (d, m, qs) = if has_min {
+            let (d, m) = f16_pair(b);
+            (d, m, b.add(4))
+        } else {
+            let d = f16_one(b);
+            (d, -8.0 * d, b.add(2))
+        };
+        let q = _mm_loadu_si128(qs as *const __m128i);
+        // Low nibbles are elements 0..16, high nibbles 16..32.
+        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+        let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
+        *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), mul_sum_us8(q, xv), *acc);
+        m * x.sum
+    }
+
+    #[inline(always)]
+    unsafe fn q4_row(w: *const u8, bb: usize, xq: &[Q8Block], has_min: bool) -> f32 {
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut o0, mut o1) = (0f32, 0f32);
+        let pairs = xq.len() / 2;
+        for i in 0..pairs {
+            o0 += q4_block(w.add(2 * bb * i), &xq[2 * i], has_min, &mut a0);
+            o1 += q4_block(w.add(2 * bb * i + bb), &xq[2 * i + 1], has_min, &mut a1);
+        }
+        if xq.len() % 2 == 1 {
+            o0 += q4_block(w.add(2 * bb * pairs), &xq[2 * pairs], has_min, &mut a0);
+        }
+        hsum(_mm256_add_ps(a0, a1)) + o0 + o1
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rows_q8_0(w: &[u8], row_bytes: usize, xq: &[Q8Block], out: &mut [f32]) {
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = q8_0_row(w.as_ptr().add(j * row_bytes), xq);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rows_q4(w: &[u8], row_bytes: usize, xq: &[Q8Block], has_min: bool, out: &mut [f32]) {
+        let bb = if has_min { 20 } else { 18 };
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = q4_row(w.as_ptr().add(j * row_bytes), bb, xq, has_min);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(w: &[u8], xq: &[Q8Block]) -> f32 {
+        q8_0_row(w.as_ptr(), &xq[..w.len() / 34])
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4(w: &[u8], xq: &[Q8Block], block_bytes: usize, has_min: bool) -> f32 {
+        q4_row(w.as_ptr(), block_bytes, &xq[..w.len() / block_bytes], has_min)
     }
 }
 
