@@ -81,6 +81,13 @@ pub trait Backend: Send + Sync {
     /// Waits for enqueued work and reports any error it raised.
     fn synchronize(&self) -> anyhow::Result<()>;
 
+    /// Runs `f`, which enqueues the ops of one step, inside the backend's execution
+    /// context: the CPU backend runs it on its worker pool so that per-op dispatch is cheap;
+    /// a GPU backend can record the ops into one command stream.
+    fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     /// `out[i] = table[ids[i]]` (rows of `dim`, dequantized to f32).
     fn embedding(
         &self,

@@ -195,7 +195,8 @@ impl<B: Backend> ModelRunner<B> {
         st.num_tokens = n;
         st.num_seqs = s;
         st.num_logits = input.logits_indices.len();
-        self.model.forward(b, st, &mut self.acts, &mut self.kv);
+        let (model, acts, kv) = (&self.model, &mut self.acts, &mut self.kv);
+        b.run_step(|| model.forward(b, st, acts, kv));
         b.synchronize()?;
         b.download_f32(&self.acts.logits, st.num_logits * vocab as usize)
     }

@@ -4,16 +4,33 @@
 mod common;
 
 use ingot_model::reference::ReferenceModel;
-use ingot_model::synthetic::SyntheticSpec;
+use ingot_model::synthetic::{Dtype, SyntheticSpec};
 use ingot_model::{Arch, Checkpoint, WeightDType};
 use rand::{Rng, SeedableRng};
 
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("ingot-synthetic-{tag}-{}", std::process::id()))
+}
+
 fn check_arch(arch: Arch) {
-    let dir = std::env::temp_dir().join(format!("ingot-synthetic-{arch:?}-{}", std::process::id()));
     let spec = SyntheticSpec::tiny(arch);
+    let dir = temp_dir(&format!("{arch:?}"));
     spec.write(&dir).unwrap();
-    let reference = ReferenceModel::load(&Checkpoint::open(&dir).unwrap()).unwrap();
-    let mut runner = common::runner(&dir, WeightDType::F32, 24, 4, 512, 64);
+    check(&spec, &dir, &dir, WeightDType::F32);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The paged runner on the checkpoint in `dir` (loaded as `dtype`) against the reference
+/// forward of the checkpoint in `reference_dir`.
+fn check(
+    spec: &SyntheticSpec,
+    dir: &std::path::Path,
+    reference_dir: &std::path::Path,
+    dtype: WeightDType,
+) {
+    let arch = spec.arch;
+    let reference = ReferenceModel::load(&Checkpoint::open(reference_dir).unwrap()).unwrap();
+    let mut runner = common::runner(dir, dtype, 24, 4, 512, 64);
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     // Lengths around the 16-token block boundary and beyond two blocks.
     let seqs: Vec<Vec<u32>> = [1usize, 15, 16, 17, 40, 33]
@@ -67,4 +84,46 @@ fn qwen2_with_qkv_bias_paged_equals_reference() {
 #[test]
 fn qwen3_with_qk_norm_paged_equals_reference() {
     check_arch(Arch::Qwen3);
+}
+
+#[test]
+fn sharded_bf16_and_f16_checkpoints_run_in_their_own_dtype() {
+    for (arch, dtype) in [(Arch::Llama, Dtype::BF16), (Arch::Qwen2, Dtype::F16)] {
+        let spec = SyntheticSpec {
+            dtype,
+            shards: 3,
+            ..SyntheticSpec::tiny(arch)
+        };
+        let dir = temp_dir(&format!("{arch:?}-{dtype:?}-sharded"));
+        spec.write(&dir).unwrap();
+        assert!(dir.join("model.safetensors.index.json").exists());
+        // `auto` keeps bf16/f16 weights; the reference reads the same values as f32.
+        check(&spec, &dir, &dir, WeightDType::Auto);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn dtype_flag_converts_f32_checkpoints_at_load() {
+    for (target, stored) in [
+        (WeightDType::F16, Dtype::F16),
+        (WeightDType::BF16, Dtype::BF16),
+    ] {
+        let spec = SyntheticSpec::tiny(Arch::Qwen3);
+        let (f32_dir, low_dir) = (
+            temp_dir(&format!("f32-for-{stored:?}")),
+            temp_dir(&format!("stored-{stored:?}")),
+        );
+        spec.write(&f32_dir).unwrap();
+        SyntheticSpec {
+            dtype: stored,
+            ..SyntheticSpec::tiny(Arch::Qwen3)
+        }
+        .write(&low_dir)
+        .unwrap();
+        // Converting at load must give exactly the weights a checkpoint stored in that dtype has.
+        check(&spec, &f32_dir, &low_dir, target);
+        std::fs::remove_dir_all(&f32_dir).ok();
+        std::fs::remove_dir_all(&low_dir).ok();
+    }
 }

@@ -129,20 +129,20 @@ pub enum Checkpoint {
 impl Checkpoint {
     /// Opens a `.gguf` file or an HF model directory.
     pub fn open(path: &Path) -> Result<Checkpoint> {
-        if path.is_dir() {
+        if !path.exists() {
+            bail!("{}: no such file or directory", path.display())
+        } else if path.is_dir() {
             Self::open_safetensors(path)
         } else if path.extension().is_some_and(|e| e == "gguf") {
             Ok(Checkpoint::Gguf {
                 path: path.to_path_buf(),
                 file: GgufFile::open(path)?,
             })
-        } else if path.exists() {
+        } else {
             bail!(
                 "{}: expected an HF model directory or a .gguf file",
                 path.display()
             )
-        } else {
-            bail!("{}: no such file or directory", path.display())
         }
     }
 

@@ -6,13 +6,13 @@ use anyhow::{anyhow, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::Path;
 use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::whitespace::Whitespace;
 
+pub use safetensors::Dtype;
 pub struct SyntheticSpec {
     pub arch: Arch,
     pub vocab_size: usize,
@@ -23,6 +23,10 @@ pub struct SyntheticSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub tie_word_embeddings: bool,
+    /// Storage type of the weights: F32, F16 or BF16.
+    pub dtype: Dtype,
+    /// Number of safetensors files (more than one writes `model.safetensors.index.json`).
+    pub shards: usize,
     pub seed: u64,
 }
 
@@ -40,6 +44,8 @@ impl SyntheticSpec {
             num_kv_heads: 2,
             head_dim: 32,
             tie_word_embeddings: matches!(arch, Arch::Qwen2 | Arch::Qwen3),
+            dtype: Dtype::F32,
+            shards: 1,
             seed: 42,
         }
     }
@@ -100,21 +106,60 @@ impl SyntheticSpec {
         if !self.tie_word_embeddings {
             add("lm_head.weight".into(), vec![self.vocab_size, d], w, 0.0);
         }
-        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-            .into_iter()
-            .map(|(n, s, v)| (n, s, bytemuck::cast_slice(&v).to_vec()))
-            .collect();
-        let views = bytes
-            .iter()
-            .map(|(n, s, b)| {
-                Ok((
-                    n.clone(),
-                    TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| anyhow!("{e}"))?,
-                ))
+        let encode = |v: &[f32]| -> Result<Vec<u8>> {
+            Ok(match self.dtype {
+                Dtype::F32 => bytemuck::cast_slice(v).to_vec(),
+                Dtype::F16 => v
+                    .iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                    .collect(),
+                Dtype::BF16 => v
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect(),
+                other => {
+                    return Err(anyhow!(
+                        "synthetic models are f32, f16 or bf16, not {other:?}"
+                    ))
+                }
             })
+        };
+        let bytes = tensors
+            .into_iter()
+            .map(|(n, s, v)| Ok((n, s, encode(&v)?)))
             .collect::<Result<Vec<_>>>()?;
-        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))
-            .map_err(|e| anyhow!("{e}"))?;
+        let shards = self.shards.max(1);
+        let file_of = |i: usize| {
+            if shards == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{shards:05}.safetensors", i + 1)
+            }
+        };
+        let mut weight_map = serde_json::Map::new();
+        for shard in 0..shards {
+            let views = bytes
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i % shards == shard)
+                .map(|(_, (n, s, b))| {
+                    weight_map.insert(n.clone(), json!(file_of(shard)));
+                    Ok((
+                        n.clone(),
+                        TensorView::new(self.dtype, s.clone(), b).map_err(|e| anyhow!("{e}"))?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            safetensors::serialize_to_file(views, None, &dir.join(file_of(shard)))
+                .map_err(|e| anyhow!("{e}"))?;
+        }
+        if shards > 1 {
+            let index = json!({"metadata": {}, "weight_map": weight_map});
+            std::fs::write(
+                dir.join("model.safetensors.index.json"),
+                serde_json::to_string_pretty(&index)?,
+            )?;
+        }
 
         let model_type = match self.arch {
             Arch::Llama => "llama",

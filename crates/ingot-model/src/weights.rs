@@ -148,6 +148,17 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(buf)
     }
 
+    /// Values as the requested dtype holds them: a converted checkpoint is the same model
+    /// whichever tensors the kernels keep in f32 (norms, biases).
+    fn rounded_f32(&self, mut v: Vec<f32>) -> Vec<f32> {
+        match self.dtype {
+            WeightDType::Auto | WeightDType::F32 => {}
+            WeightDType::F16 => v.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
+            WeightDType::BF16 => v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32()),
+        }
+        v
+    }
+
     /// A 1-D weight (norm or bias) as f32, checked to have `len` values.
     fn vector(&mut self, t: &HostTensor<'_>, len: usize, what: &str) -> Result<B::Buffer> {
         ensure!(
@@ -155,8 +166,8 @@ impl<'a, B: Backend> Loader<'a, B> {
             "{what}: expected {len} values, found shape {:?}",
             t.shape
         );
-        let data = convert(t, DType::F32);
-        self.upload(DType::F32, len, &data)
+        let data = self.rounded_f32(t.to_f32());
+        self.upload(DType::F32, len, bytemuck::cast_slice(&data))
     }
 
     fn matrix_dtype(&self, t: &HostTensor<'_>) -> DType {
@@ -197,7 +208,7 @@ impl<'a, B: Backend> Loader<'a, B> {
                         "{what}: bias of {} values for {rows} rows",
                         b.numel()
                     );
-                    Some(b.to_f32())
+                    Some(self.rounded_f32(b.to_f32()))
                 }
                 None => None,
             };

@@ -58,11 +58,16 @@ pub fn run(args: Args) -> Result<()> {
     let (model, tokenizer) = ingot_model::load(&backend, &args.model, args.dtype)?;
     let text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?,
+        (None, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
+        }
         (None, None) => unreachable!("clap requires one"),
     };
     let prompt_text = if args.chat {
-        tokenizer.apply_chat_template(&[Message { role: "user".into(), content: text }])?
+        tokenizer.apply_chat_template(&[Message {
+            role: "user".into(),
+            content: text,
+        }])?
     } else {
         text
     };
@@ -87,14 +92,22 @@ pub fn run(args: Args) -> Result<()> {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
         seed: args.seed,
-        stop_token_ids: if args.ignore_eos { vec![] } else { tokenizer.eos_token_ids.clone() },
+        stop_token_ids: if args.ignore_eos {
+            vec![]
+        } else {
+            tokenizer.eos_token_ids.clone()
+        },
     };
     let out = generator.generate(&prompt, &opts, false)?;
     let text = tokenizer.decode(&out.token_ids, true)?;
     let prefill_tok_s = prompt.len() as f64 / out.prefill_time.as_secs_f64();
     // The first token comes from the prefill step; each later one from a decode step.
     let decode_steps = out.token_ids.len().saturating_sub(1);
-    let decode_tok_s = if decode_steps > 0 { decode_steps as f64 / out.decode_time.as_secs_f64() } else { 0.0 };
+    let decode_tok_s = if decode_steps > 0 {
+        decode_steps as f64 / out.decode_time.as_secs_f64()
+    } else {
+        0.0
+    };
     match args.format {
         Format::Text => {
             println!("{text}");

@@ -104,7 +104,11 @@ pub unsafe fn matmul(
                 let w = &wb[j0 * row_bytes..(j0 + rows) * row_bytes];
                 let mut buf = [0f32; GEMV_CHUNK];
                 for i in 0..m {
-                    let xqi = if xq.is_empty() { &[][..] } else { &xq[i * nb..(i + 1) * nb] };
+                    let xqi = if xq.is_empty() {
+                        &[][..]
+                    } else {
+                        &xq[i * nb..(i + 1) * nb]
+                    };
                     quant::dot_rows(dtype, w, xqi, &x[i * k..(i + 1) * k], &mut buf[..rows]);
                     for (r, &v) in buf[..rows].iter().enumerate() {
                         dst.write(i, j0 + r, v);

@@ -89,6 +89,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        // Ops called from a pool thread run their parallel parts without a hand-off.
+        self.pool.install(f)
+    }
+
     fn embedding(
         &self,
         table: &CpuBuffer,

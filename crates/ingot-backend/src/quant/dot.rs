@@ -178,7 +178,7 @@ fn dot_q4_scalar(w: &[u8], xq: &[Q8Block], has_min: bool) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{f16_at, Q8Block};
+    use super::Q8Block;
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -238,7 +238,9 @@ mod avx2 {
 
     #[inline(always)]
     unsafe fn f16_one(p: *const u8) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            (p as *const u16).read_unaligned() as i32,
+        )))
     }
 
     #[inline(always)]
@@ -276,7 +278,10 @@ mod avx2 {
         };
         let q = _mm_loadu_si128(qs as *const __m128i);
         // Low nibbles are elements 0..16, high nibbles 16..32.
-        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+        let q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
+            _mm256_set1_epi8(0x0F),
+        );
         let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
         *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), mul_sum_us8(q, xv), *acc);
         m * x.sum
@@ -305,7 +310,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn rows_q4(w: &[u8], row_bytes: usize, xq: &[Q8Block], has_min: bool, out: &mut [f32]) {
+    pub unsafe fn rows_q4(
+        w: &[u8],
+        row_bytes: usize,
+        xq: &[Q8Block],
+        has_min: bool,
+        out: &mut [f32],
+    ) {
         let bb = if has_min { 20 } else { 18 };
         for (j, o) in out.iter_mut().enumerate() {
             *o = q4_row(w.as_ptr().add(j * row_bytes), bb, xq, has_min);
@@ -319,7 +330,12 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4(w: &[u8], xq: &[Q8Block], block_bytes: usize, has_min: bool) -> f32 {
-        q4_row(w.as_ptr(), block_bytes, &xq[..w.len() / block_bytes], has_min)
+        q4_row(
+            w.as_ptr(),
+            block_bytes,
+            &xq[..w.len() / block_bytes],
+            has_min,
+        )
     }
 }
 

@@ -6,7 +6,9 @@
 mod dot;
 pub mod testing;
 
-pub use dot::{dot_rows, quantize_row_q8, uses_q8_activations, vec_dot, vec_dot_f32, Q8Block, Q8_BLOCK};
+pub use dot::{
+    dot_rows, quantize_row_q8, uses_q8_activations, vec_dot, vec_dot_f32, Q8Block, Q8_BLOCK,
+};
 
 use crate::DType;
 use half::{bf16, f16};
