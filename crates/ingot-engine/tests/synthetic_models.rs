@@ -63,7 +63,7 @@ fn check(
         "{arch:?}: {} logit rows, max relative error {worst:.2e}",
         observed.len()
     );
-    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
