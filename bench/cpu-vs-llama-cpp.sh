@@ -43,11 +43,15 @@ echo "== ingot generate --threads $threads (median of $reps runs)"
 for _ in $(seq "$reps"); do
   ./target/release/ingot generate --model "$model" --prompt-file "$prompt_file" --max-tokens 128 \
     --ignore-eos --threads "$threads" --format json 2>/dev/null
-done | python3 -c '
+done > "$prompt_file.runs"
+python3 - "$prompt_file.runs" <<'PY'
 import json, statistics, sys
-runs = [json.loads(l) for l in sys.stdin if l.strip()]
-n = {len(r["prompt_token_ids"]) for r in runs}
-print(f"prompt tokens {sorted(n)}, generated {len(runs[0][\"token_ids\"])}")
-print(f"prefill tok/s: median {statistics.median(r[\"prefill_tok_s\"] for r in runs):.1f}  runs {[round(r[\"prefill_tok_s\"], 1) for r in runs]}")
-print(f"decode  tok/s: median {statistics.median(r[\"decode_tok_s\"] for r in runs):.1f}  runs {[round(r[\"decode_tok_s\"], 1) for r in runs]}")
-'
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+prompt = sorted({len(r["prompt_token_ids"]) for r in runs})
+gen = sorted({len(r["token_ids"]) for r in runs})
+print(f"prompt tokens {prompt}, generated tokens {gen}")
+for key in ("prefill_tok_s", "decode_tok_s"):
+    vals = [r[key] for r in runs]
+    print(f"{key}: median {statistics.median(vals):.1f}  runs {[round(v, 1) for v in vals]}")
+PY
+rm -f "$prompt_file.runs"

@@ -220,13 +220,12 @@ impl Backend for CpuBackend {
     ) {
         let hd = layout.head_dim;
         let (qw, kw) = (&q_weight.f32()[..hd], &k_weight.f32()[..hd]);
-        let mut head = vec![0f32; hd];
         for row in qkv.f32_mut()[..rows * layout.row_len()].chunks_mut(layout.row_len()) {
-            for h in 0..layout.num_heads + layout.num_kv_heads {
+            for (h, x) in row[..(layout.num_heads + layout.num_kv_heads) * hd].chunks_mut(hd).enumerate() {
                 let w = if h < layout.num_heads { qw } else { kw };
-                let x = &mut row[h * hd..(h + 1) * hd];
-                head.copy_from_slice(x);
-                rms_norm_row(&head, w, eps, x);
+                let ss: f32 = x.iter().map(|v| v * v).sum();
+                let inv = 1.0 / (ss / hd as f32 + eps).sqrt();
+                x.iter_mut().zip(w).for_each(|(v, g)| *v = *v * inv * g);
             }
         }
     }
