@@ -46,9 +46,14 @@ impl CpuBackend {
     }
 }
 
-fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// `1 / sqrt(mean(x²) + eps)`.
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
     let ss: f32 = x.iter().map(|v| v * v).sum();
-    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    1.0 / (ss / x.len() as f32 + eps).sqrt()
+}
+
+fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = inv_rms(x, eps);
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = v * inv * g;
     }
@@ -221,10 +226,12 @@ impl Backend for CpuBackend {
         let hd = layout.head_dim;
         let (qw, kw) = (&q_weight.f32()[..hd], &k_weight.f32()[..hd]);
         for row in qkv.f32_mut()[..rows * layout.row_len()].chunks_mut(layout.row_len()) {
-            for (h, x) in row[..(layout.num_heads + layout.num_kv_heads) * hd].chunks_mut(hd).enumerate() {
+            for (h, x) in row[..(layout.num_heads + layout.num_kv_heads) * hd]
+                .chunks_mut(hd)
+                .enumerate()
+            {
                 let w = if h < layout.num_heads { qw } else { kw };
-                let ss: f32 = x.iter().map(|v| v * v).sum();
-                let inv = 1.0 / (ss / hd as f32 + eps).sqrt();
+                let inv = inv_rms(x, eps);
                 x.iter_mut().zip(w).for_each(|(v, g)| *v = *v * inv * g);
             }
         }
