@@ -1,11 +1,14 @@
-//! Running a model over the paged KV cache: the model runner turns a host-side step
-//! description into device buffers and logits; the sampler picks tokens; `generate`
-//! drives one sequence from prompt to completion.
+//! Running a model over the paged KV cache: the model runner turns a step description
+//! into device buffers and logits; the sampler picks tokens; the engine schedules many
+//! requests continuously and turns tokens into text.
 
-pub mod generate;
+pub mod detokenizer;
+pub mod engine;
 pub mod runner;
 pub mod sampler;
 
-pub use generate::{GenerateOptions, Generation, Generator};
+pub use engine::{
+    Completion, Engine, EngineConfig, EngineStats, RequestId, RequestOutput, SeqDelta,
+};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};
-pub use sampler::Sampler;
+pub use sampler::{Sampler, TokenLogprobs};

@@ -1,12 +1,18 @@
-//! Picking the next token from logits: greedy at temperature 0, otherwise a draw from the
-//! tempered softmax with a per-request seeded RNG.
+//! Per-request token selection: logits processors (bias, penalties, min_tokens), then
+//! greedy or a draw from the tempered, filtered distribution with the request's own RNG.
 
+use ingot_core::SamplingParams;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
 
-pub struct Sampler {
-    temperature: f32,
-    rng: StdRng,
+/// The chosen token's log-probability and the most likely alternatives, from the model's
+/// own distribution (before temperature and penalties, as vLLM reports them).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Index of the largest logit (the first on ties, as `torch.argmax`).
@@ -20,37 +26,166 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    logits.iter().map(|&l| l - lse).collect()
+}
+
+/// Ids of the `k` largest values, largest first (ties by lower id).
+fn top_k_ids(values: &[f32], k: usize) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..values.len() as u32).collect();
+    let k = k.min(ids.len());
+    let cmp = |a: &u32, b: &u32| {
+        values[*b as usize]
+            .total_cmp(&values[*a as usize])
+            .then(a.cmp(b))
+    };
+    if k < ids.len() && k > 0 {
+        ids.select_nth_unstable_by(k - 1, cmp);
+    }
+    ids.truncate(k);
+    ids.sort_by(cmp);
+    ids
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    /// Ids that end generation (EOS unless ignored, plus stop_token_ids).
+    stop_ids: Vec<u32>,
+    rng: StdRng,
+}
+
 impl Sampler {
-    pub fn new(temperature: f32, seed: Option<u64>) -> anyhow::Result<Sampler> {
-        anyhow::ensure!(
-            temperature.is_finite() && temperature >= 0.0,
-            "temperature must be a finite number >= 0, got {temperature}"
-        );
-        let rng = match seed {
-            Some(s) => StdRng::seed_from_u64(s),
+    /// `stream` separates the samples of one request (`n > 1`) that share a seed.
+    pub fn new(params: SamplingParams, eos_ids: &[u32], stream: u64) -> Sampler {
+        let rng = match params.seed {
+            Some(s) => {
+                StdRng::seed_from_u64(s.wrapping_add(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            }
             None => StdRng::from_os_rng(),
         };
-        Ok(Sampler { temperature, rng })
+        let mut stop_ids = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop_ids.extend_from_slice(eos_ids);
+        }
+        Sampler {
+            params,
+            stop_ids,
+            rng,
+        }
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.temperature == 0.0 {
-            return argmax(logits);
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Whether `token` ends the sequence (once `min_tokens` are out).
+    pub fn is_stop_token(&self, token: u32) -> bool {
+        self.stop_ids.contains(&token)
+    }
+
+    /// Picks the next token of a sequence whose tokens so far are `tokens`, of which the
+    /// last `num_output` were generated. `logits` is modified in place.
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        tokens: &[u32],
+        num_output: usize,
+    ) -> (u32, Option<TokenLogprobs>) {
+        let p = &self.params;
+        let raw_logprobs = p.logprobs.map(|_| log_softmax(logits));
+        for (&id, &bias) in &p.logit_bias {
+            logits[id as usize] += bias;
         }
+        if num_output < p.min_tokens {
+            for &id in &self.stop_ids {
+                logits[id as usize] = f32::NEG_INFINITY;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let mut seen: Vec<u32> = tokens.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for id in seen {
+                let l = &mut logits[id as usize];
+                *l = if *l > 0.0 {
+                    *l / p.repetition_penalty
+                } else {
+                    *l * p.repetition_penalty
+                };
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &t in &tokens[tokens.len() - num_output..] {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (id, c) in counts {
+                logits[id as usize] -= p.presence_penalty + p.frequency_penalty * c as f32;
+            }
+        }
+        let (greedy, top_n) = (p.is_greedy(), p.logprobs.unwrap_or(0));
+        let token = if greedy {
+            argmax(logits)
+        } else {
+            self.draw(logits)
+        };
+        let logprobs = raw_logprobs.map(|lp| TokenLogprobs {
+            token,
+            logprob: lp[token as usize],
+            top: top_k_ids(&lp, top_n)
+                .into_iter()
+                .map(|i| (i, lp[i as usize]))
+                .collect(),
+        });
+        (token, logprobs)
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
         let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let probs: Vec<f32> = logits
+        let mut probs: Vec<f32> = logits
             .iter()
-            .map(|&l| ((l - max) / self.temperature).exp())
+            .map(|&l| ((l - max) / p.temperature).exp())
             .collect();
         let total: f32 = probs.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for (i, &p) in probs.iter().enumerate() {
-            if r < p {
-                return i as u32;
-            }
-            r -= p;
+        probs.iter_mut().for_each(|x| *x /= total);
+        let top_k = if p.top_k > 0 {
+            p.top_k as usize
+        } else {
+            probs.len()
+        };
+        // Candidates in descending probability, cut by top_k, then top_p, then min_p.
+        let mut cand: Vec<u32> = if top_k < probs.len() || p.top_p < 1.0 {
+            top_k_ids(&probs, top_k)
+        } else {
+            (0..probs.len() as u32).collect()
+        };
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = cand
+                .iter()
+                .position(|&i| {
+                    acc += probs[i as usize];
+                    acc >= p.top_p
+                })
+                .map_or(cand.len(), |pos| pos + 1);
+            cand.truncate(keep);
         }
-        argmax(logits)
+        if p.min_p > 0.0 {
+            let floor = p.min_p * cand.iter().map(|&i| probs[i as usize]).fold(0.0, f32::max);
+            cand.retain(|&i| probs[i as usize] >= floor);
+        }
+        let mass: f32 = cand.iter().map(|&i| probs[i as usize]).sum();
+        let mut r = self.rng.random::<f32>() * mass;
+        for &i in &cand {
+            r -= probs[i as usize];
+            if r < 0.0 {
+                return i;
+            }
+        }
+        *cand.last().expect("at least one candidate")
     }
 }
 
@@ -58,16 +193,120 @@ impl Sampler {
 mod tests {
     use super::*;
 
+    fn logits() -> Vec<f32> {
+        (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect()
+    }
+
     #[test]
-    fn greedy_takes_first_maximum_and_seed_reproduces() {
+    fn greedy_takes_first_maximum_and_a_seed_reproduces() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
-        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let draw = |seed| {
-            let mut s = Sampler::new(0.8, Some(seed)).unwrap();
-            (0..20).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        let draw = |seed, stream| {
+            let params = SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: Some(seed),
+                ..Default::default()
+            };
+            let mut s = Sampler::new(params, &[], stream);
+            (0..30)
+                .map(|_| s.sample(&mut logits(), &[], 0).0)
+                .collect::<Vec<_>>()
         };
-        assert_eq!(draw(7), draw(7));
-        assert_ne!(draw(7), draw(8));
-        assert!(Sampler::new(-1.0, None).is_err());
+        assert_eq!(draw(7, 0), draw(7, 0));
+        assert_ne!(draw(7, 0), draw(8, 0));
+        assert_ne!(draw(7, 0), draw(7, 1));
+    }
+
+    #[test]
+    fn filters_restrict_the_candidates() {
+        let l = logits();
+        let best = top_k_ids(&l, 3);
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 3,
+            seed: Some(1),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params, &[], 0);
+        for _ in 0..200 {
+            assert!(best.contains(&s.sample(&mut l.clone(), &[], 0).0));
+        }
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_p: 1e-6,
+            seed: Some(1),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params, &[], 0);
+        assert_eq!(s.sample(&mut l.clone(), &[], 0).0, argmax(&l));
+        let params = SamplingParams {
+            temperature: 1.0,
+            min_p: 1.0,
+            seed: Some(1),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params, &[], 0);
+        assert_eq!(s.sample(&mut l.clone(), &[], 0).0, argmax(&l));
+    }
+
+    #[test]
+    fn processors_shift_the_choice() {
+        let l = logits();
+        let top = argmax(&l);
+        let mut bias = SamplingParams::greedy(4);
+        bias.logit_bias = [(0, 100.0)].into();
+        assert_eq!(
+            Sampler::new(bias, &[], 0).sample(&mut l.clone(), &[], 0).0,
+            0
+        );
+        let rep = SamplingParams {
+            repetition_penalty: 100.0,
+            ..SamplingParams::greedy(4)
+        };
+        assert_ne!(
+            Sampler::new(rep, &[], 0)
+                .sample(&mut l.clone(), &[top], 1)
+                .0,
+            top
+        );
+        let pres = SamplingParams {
+            presence_penalty: 2.0,
+            frequency_penalty: 2.0,
+            ..SamplingParams::greedy(4)
+        };
+        let mut l2 = l.clone();
+        l2[top as usize] = l[top as usize] - 0.5;
+        let second = argmax(&l2);
+        l2[top as usize] = l[top as usize];
+        // Penalised once as an output token, the top choice falls below the runner-up.
+        let got = Sampler::new(pres, &[], 0).sample(&mut l2, &[top, top], 2).0;
+        assert!(got != top || l[top as usize] - 6.0 > l[second as usize]);
+        let min = SamplingParams {
+            min_tokens: 2,
+            ..SamplingParams::greedy(4)
+        };
+        let mut s = Sampler::new(min, &[top], 0);
+        assert_ne!(
+            s.sample(&mut l.clone(), &[], 0).0,
+            top,
+            "EOS is masked before min_tokens"
+        );
+        assert!(s.is_stop_token(top));
+    }
+
+    #[test]
+    fn logprobs_of_the_greedy_token_are_the_maximum() {
+        let params = SamplingParams {
+            logprobs: Some(5),
+            ..SamplingParams::greedy(4)
+        };
+        let (tok, lp) = Sampler::new(params, &[], 0).sample(&mut logits(), &[], 0);
+        let lp = lp.unwrap();
+        assert_eq!(lp.token, tok);
+        assert_eq!(lp.top.len(), 5);
+        assert_eq!(lp.top[0], (tok, lp.logprob));
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        let total: f32 = log_softmax(&logits()).iter().map(|l| l.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
     }
 }

@@ -3,7 +3,6 @@
 
 mod common;
 
-use ingot_engine::{GenerateOptions, Generator};
 use ingot_model::reference::ReferenceModel;
 use ingot_model::testing::{fixtures_dir, test_model_path};
 use ingot_model::{Checkpoint, WeightDType};
@@ -62,40 +61,24 @@ fn top_ids(logits: &[f32], k: usize) -> Vec<u32> {
     idx
 }
 
-fn generator(dtype: WeightDType) -> Option<Generator<ingot_backend::cpu::CpuBackend>> {
+fn runner(dtype: WeightDType) -> Option<ingot_engine::ModelRunner<ingot_backend::cpu::CpuBackend>> {
     let path = test_model_path()?;
-    Some(Generator::new(common::runner(
-        &path,
-        dtype,
-        256,
-        1,
-        2048,
-        2048 / 16,
-    )))
-}
-
-fn greedy_32() -> GenerateOptions {
-    GenerateOptions {
-        max_tokens: 32,
-        temperature: 0.0,
-        seed: None,
-        stop_token_ids: vec![],
-    }
+    Some(common::runner(&path, dtype, 256, 1, 2048, 2048 / 16))
 }
 
 #[test]
 fn f32_greedy_tokens_and_logits_match_transformers() {
-    let Some(mut g) = generator(WeightDType::F32) else {
+    let Some(mut r) = runner(WeightDType::F32) else {
         return;
     };
     let cases = cases();
     assert!(cases.len() >= 10);
     let mut worst = 0f32;
     for c in &cases {
-        let out = g.generate(&c.prompt, &greedy_32(), true).unwrap();
-        assert_eq!(out.token_ids, c.greedy, "{}: greedy tokens", c.name);
+        let (tokens, logits) = common::greedy_with_logits(&mut r, &c.prompt, 32);
+        assert_eq!(tokens, c.greedy, "{}: greedy tokens", c.name);
         let mut case_worst = 0f32;
-        for (step, (logits, want)) in out.logits.iter().zip(&c.top5).enumerate() {
+        for (step, (logits, want)) in logits.iter().zip(&c.top5).enumerate() {
             let want_ids: Vec<u32> = want.iter().map(|p| p.0).collect();
             assert_eq!(
                 top_ids(logits, 5),
@@ -119,29 +102,28 @@ fn f32_greedy_tokens_and_logits_match_transformers() {
 
 #[test]
 fn quantized_weights_track_transformers() {
-    let Some(mut g) = generator(WeightDType::Auto) else {
+    let Some(mut r) = runner(WeightDType::Auto) else {
         return;
     };
     let mut checked = 0;
     for c in &cases() {
-        let out = g.generate(&c.prompt, &greedy_32(), true).unwrap();
+        let (tokens, logits) = common::greedy_with_logits(&mut r, &c.prompt, 32);
         let first = &c.top5[0];
         if first[0].1 - first[1].1 > 0.5 {
             assert_eq!(
-                out.token_ids[0], c.greedy[0],
+                tokens[0], c.greedy[0],
                 "{}: first token with a clear top-2 gap",
                 c.name
             );
             checked += 1;
         }
-        let matched = out
-            .token_ids
+        let matched = tokens
             .iter()
             .zip(&c.greedy)
             .take_while(|(a, b)| a == b)
             .count();
         // Overlap of top-5 sets while the continuations still agree.
-        let overlap: f32 = out.logits[..matched.max(1)]
+        let overlap: f32 = logits[..matched.max(1)]
             .iter()
             .zip(&c.top5)
             .map(|(l, w)| {

@@ -1,12 +1,14 @@
-//! `ingot generate`: one prompt through the paged runner, printed as text or JSON.
+//! `ingot generate`: prompts through the engine, printed as text or JSON lines.
 
 use anyhow::{Context, Result};
 use clap::{ArgGroup, ValueEnum};
 use ingot_backend::cpu::CpuBackend;
-use ingot_engine::{GenerateOptions, Generator, ModelRunner, RunnerConfig};
+use ingot_core::SamplingParams;
+use ingot_engine::{Engine, EngineConfig};
 use ingot_model::chat::Message;
 use ingot_model::WeightDType;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum Format {
@@ -15,7 +17,7 @@ pub enum Format {
 }
 
 #[derive(clap::Args)]
-#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file"])))]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompts_file"])))]
 pub struct Args {
     /// An HF model directory or a .gguf file.
     #[arg(long)]
@@ -25,7 +27,10 @@ pub struct Args {
     /// Read the prompt from this file.
     #[arg(long)]
     prompt_file: Option<PathBuf>,
-    /// Wrap the prompt as one user message in the model's chat template.
+    /// A JSON list of prompt strings, run together as one batch.
+    #[arg(long)]
+    prompts_file: Option<PathBuf>,
+    /// Wrap each prompt as one user message in the model's chat template.
     #[arg(long)]
     chat: bool,
     #[arg(long, default_value_t = 128)]
@@ -33,8 +38,22 @@ pub struct Args {
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: i32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
     #[arg(long)]
     seed: Option<u64>,
+    /// Samples per prompt.
+    #[arg(long, default_value_t = 1)]
+    n: usize,
     /// Keep generating past the end-of-sequence token (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
@@ -46,87 +65,134 @@ pub struct Args {
     threads: Option<usize>,
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
-    /// The token budget of one step: longer prompts are prefilled in chunks of this size.
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// Engine flags shared by every command that runs the engine.
+#[derive(clap::Args)]
+pub struct EngineArgs {
+    /// The token budget of one step: longer prompts are prefilled in chunks.
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
+    /// Most sequences in one step.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Context limit (default: the model's).
+    #[arg(long)]
+    max_model_len: Option<usize>,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Bytes for the KV cache (default: a quarter of the available memory, capped at what
+    /// max-num-seqs full-length sequences use).
+    #[arg(long)]
+    kv_cache_memory: Option<usize>,
+    #[arg(long)]
+    no_prefix_caching: bool,
+}
+
+impl EngineArgs {
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            block_size: self.block_size,
+            kv_cache_memory: self.kv_cache_memory,
+            prefix_caching: !self.no_prefix_caching,
+        }
+    }
+}
+
+fn read_prompts(args: &Args) -> Result<Vec<String>> {
+    Ok(
+        match (&args.prompt, &args.prompt_file, &args.prompts_file) {
+            (Some(p), _, _) => vec![p.clone()],
+            (_, Some(f), _) => vec![std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read {}", f.display()))?],
+            (_, _, Some(f)) => {
+                let text = std::fs::read_to_string(f)
+                    .with_context(|| format!("cannot read {}", f.display()))?;
+                serde_json::from_str(&text)
+                    .with_context(|| format!("{} is not a JSON list of strings", f.display()))?
+            }
+            _ => unreachable!("clap requires one"),
+        },
+    )
 }
 
 pub fn run(args: Args) -> Result<()> {
+    let texts = read_prompts(&args)?;
     let backend = CpuBackend::new(args.threads)?;
     let (model, tokenizer) = ingot_model::load(&backend, &args.model, args.dtype)?;
-    let text = match (&args.prompt, &args.prompt_file) {
-        (Some(p), _) => p.clone(),
-        (None, Some(f)) => {
-            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
-        }
-        (None, None) => unreachable!("clap requires one"),
-    };
-    let prompt_text = if args.chat {
-        tokenizer.apply_chat_template(&[Message {
-            role: "user".into(),
-            content: text,
-        }])?
-    } else {
-        text
-    };
-    // A chat template already carries its special tokens.
-    let prompt = tokenizer.encode(&prompt_text, !args.chat)?;
-    let max_model_len = model.config.max_position_embeddings;
-    anyhow::ensure!(
-        prompt.len() + args.max_tokens <= max_model_len,
-        "the prompt has {} tokens and {} more were asked for, but the model's context is {max_model_len} tokens",
-        prompt.len(),
-        args.max_tokens
-    );
-    let config = RunnerConfig {
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_num_seqs: 1,
-        max_model_len,
-        block_size: args.block_size,
-        num_blocks: (prompt.len() + args.max_tokens).div_ceil(args.block_size),
-    };
-    let mut generator = Generator::new(ModelRunner::new(backend, model, config)?);
-    let opts = GenerateOptions {
-        max_tokens: args.max_tokens,
+    let tokenizer = Arc::new(tokenizer);
+    let prompts = texts
+        .into_iter()
+        .map(|text| {
+            if args.chat {
+                // A chat template already carries its special tokens.
+                let rendered = tokenizer.apply_chat_template(&[Message {
+                    role: "user".into(),
+                    content: text,
+                }])?;
+                tokenizer.encode(&rendered, false)
+            } else {
+                tokenizer.encode(&text, true)
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let params = SamplingParams {
         temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        stop: args.stop.clone(),
         seed: args.seed,
-        stop_token_ids: if args.ignore_eos {
-            vec![]
+        max_tokens: args.max_tokens,
+        ignore_eos: args.ignore_eos,
+        n: args.n,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(backend, model, tokenizer, args.engine.config())?;
+    let params = vec![params; prompts.len()];
+    let outputs = engine.generate(prompts, &params)?;
+    for out in &outputs {
+        let prompt_len = out.prompt_token_ids.len();
+        let prefill_tok_s = prompt_len as f64 / out.time_to_first_token.as_secs_f64();
+        let decode_time = (out.time_to_finish - out.time_to_first_token).as_secs_f64();
+        // Each sample's first token comes from the prefill step, the rest from decode steps.
+        let decode_steps = out
+            .completions
+            .iter()
+            .map(|c| c.token_ids.len().saturating_sub(1))
+            .max()
+            .unwrap_or(0);
+        let decode_tok_s = if decode_steps > 0 && decode_time > 0.0 {
+            decode_steps as f64 / decode_time
         } else {
-            tokenizer.eos_token_ids.clone()
-        },
-    };
-    let out = generator.generate(&prompt, &opts, false)?;
-    let text = tokenizer.decode(&out.token_ids, true)?;
-    let prefill_tok_s = prompt.len() as f64 / out.prefill_time.as_secs_f64();
-    // The first token comes from the prefill step; each later one from a decode step.
-    let decode_steps = out.token_ids.len().saturating_sub(1);
-    let decode_tok_s = if decode_steps > 0 {
-        decode_steps as f64 / out.decode_time.as_secs_f64()
-    } else {
-        0.0
-    };
-    match args.format {
-        Format::Text => {
-            println!("{text}");
-            tracing::info!(
-                "prompt {} tokens ({prefill_tok_s:.1} tok/s), generated {} tokens ({decode_tok_s:.1} tok/s)",
-                prompt.len(),
-                out.token_ids.len()
-            );
+            0.0
+        };
+        for c in &out.completions {
+            match args.format {
+                Format::Text => println!("{}", c.text),
+                Format::Json => println!(
+                    "{}",
+                    serde_json::json!({
+                        "prompt_token_ids": out.prompt_token_ids,
+                        "token_ids": c.token_ids,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "prefill_tok_s": prefill_tok_s,
+                        "decode_tok_s": decode_tok_s,
+                    })
+                ),
+            }
         }
-        Format::Json => {
-            let v = serde_json::json!({
-                "prompt_token_ids": prompt,
-                "token_ids": out.token_ids,
-                "text": text,
-                "prefill_tok_s": prefill_tok_s,
-                "decode_tok_s": decode_tok_s,
-            });
-            println!("{v}");
-        }
+        tracing::info!(
+            "prompt {prompt_len} tokens ({prefill_tok_s:.1} tok/s to the first token), {} generated ({decode_tok_s:.1} tok/s)",
+            out.completions.iter().map(|c| c.token_ids.len()).sum::<usize>()
+        );
     }
     Ok(())
 }

@@ -110,7 +110,9 @@ fn generate_prints_json_with_prompt_and_generated_ids() {
         "4",
     ]);
     assert_eq!(too_long.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&too_long.stderr).contains("context is 512 tokens"));
+    assert!(
+        String::from_utf8_lossy(&too_long.stderr).contains("maximum context length is 512 tokens")
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -122,3 +122,47 @@ pub fn run_mixed(
     }
     observed
 }
+
+/// Greedy generation of one sequence straight through the runner, keeping every step's
+/// logits: the exact-logit comparisons with transformers need them.
+pub fn greedy_with_logits(
+    runner: &mut ModelRunner<CpuBackend>,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let c = runner.config;
+    let bs = c.block_size;
+    let table: Vec<u32> = (0..(prompt.len() + steps).div_ceil(bs) as u32).collect();
+    let mut run = |tokens: &[u32], start: usize| {
+        let n = tokens.len();
+        let positions: Vec<u32> = (start as u32..(start + n) as u32).collect();
+        let input = StepInput {
+            token_ids: tokens.to_vec(),
+            slot_mapping: positions
+                .iter()
+                .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
+                .collect(),
+            positions,
+            query_start_loc: vec![0, n as u32],
+            seq_lens: vec![(start + n) as u32],
+            block_tables: table.clone(),
+            max_blocks_per_seq: table.len(),
+            logits_indices: vec![n as u32 - 1],
+        };
+        runner.execute(&input).unwrap()
+    };
+    let mut logits = vec![];
+    for (i, chunk) in prompt.chunks(c.max_num_batched_tokens).enumerate() {
+        logits = run(chunk, i * c.max_num_batched_tokens);
+    }
+    let (mut tokens, mut all) = (vec![], vec![]);
+    for step in 0..steps {
+        let next = ingot_engine::sampler::argmax(&logits);
+        tokens.push(next);
+        all.push(std::mem::take(&mut logits));
+        if step + 1 < steps {
+            logits = run(&[next], prompt.len() + step);
+        }
+    }
+    (tokens, all)
+}

@@ -1,0 +1,440 @@
+//! The engine: requests in, per-sequence output deltas out, one scheduled step at a time.
+
+use crate::detokenizer::Detokenizer;
+use crate::runner::{ModelRunner, RunnerConfig, StepInput};
+use crate::sampler::{Sampler, TokenLogprobs};
+use anyhow::{bail, Result};
+use ingot_backend::Backend;
+use ingot_core::{
+    FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
+};
+use ingot_model::{KvCache, Model, Tokenizer};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub type RequestId = u64;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    /// Defaults to the model's context length.
+    pub max_model_len: Option<usize>,
+    pub block_size: usize,
+    /// Bytes for the KV cache; defaults to a quarter of the available memory, capped at
+    /// what `max_num_seqs` sequences of `max_model_len` tokens can use.
+    pub kv_cache_memory: Option<usize>,
+    pub prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 64,
+            max_model_len: None,
+            block_size: 16,
+            kv_cache_memory: None,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// New output of one sequence of a request since the last delta.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqDelta {
+    pub request_id: RequestId,
+    /// Which of the request's `n` samples.
+    pub index: usize,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub logprobs: Vec<TokenLogprobs>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// A finished sample, as the offline API returns it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Completion {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub logprobs: Vec<TokenLogprobs>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RequestOutput {
+    pub request_id: RequestId,
+    pub prompt_token_ids: Vec<u32>,
+    pub completions: Vec<Completion>,
+    /// From the start of the `generate` call to this request's first token.
+    pub time_to_first_token: Duration,
+    /// From the start of the `generate` call to this request's last token.
+    pub time_to_finish: Duration,
+}
+
+struct SeqState {
+    request_id: RequestId,
+    index: usize,
+    sampler: Sampler,
+    detok: Detokenizer,
+    /// Output text so far (cut at a stop string once one is found).
+    text: String,
+    /// Bytes of `text` already sent.
+    sent: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_preemptions: u64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub kv_cache_usage: f64,
+    pub free_blocks: usize,
+    pub total_blocks: usize,
+}
+
+pub struct Engine<B: Backend> {
+    runner: ModelRunner<B>,
+    scheduler: Scheduler,
+    tokenizer: Arc<Tokenizer>,
+    seqs: HashMap<SeqId, SeqState>,
+    next_seq: SeqId,
+    /// Ids for `generate`'s requests, kept apart from callers' ids.
+    next_offline_request: RequestId,
+}
+
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+impl<B: Backend> Engine<B> {
+    pub fn new(
+        backend: B,
+        model: Model<B>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        let cfg = &model.config;
+        let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings);
+        if max_model_len > cfg.max_position_embeddings {
+            bail!(
+                "--max-model-len {max_model_len} exceeds the model's context of {} tokens",
+                cfg.max_position_embeddings
+            );
+        }
+        if config.block_size == 0 || config.max_num_seqs == 0 || config.max_num_batched_tokens == 0
+        {
+            bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
+        }
+        let block_bytes = KvCache::<B>::block_bytes(cfg, config.block_size);
+        let useful = config.max_num_seqs * max_model_len.div_ceil(config.block_size);
+        let num_blocks = match config.kv_cache_memory {
+            Some(bytes) => bytes / block_bytes,
+            None => (available_memory().unwrap_or(4 << 30) / 4 / block_bytes).min(useful),
+        };
+        let min_blocks = max_model_len.div_ceil(config.block_size).min(useful);
+        if num_blocks == 0 {
+            bail!("--kv-cache-memory holds no block ({block_bytes} bytes each)");
+        }
+        if num_blocks < min_blocks {
+            tracing::warn!("the KV cache holds {num_blocks} blocks: a sequence of max_model_len {max_model_len} tokens needs {min_blocks}");
+        }
+        let runner = ModelRunner::new(
+            backend,
+            model,
+            RunnerConfig {
+                max_num_batched_tokens: config.max_num_batched_tokens,
+                max_num_seqs: config.max_num_seqs,
+                max_model_len,
+                block_size: config.block_size,
+                num_blocks,
+            },
+        )?;
+        let scheduler = Scheduler::new(SchedulerConfig {
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            max_num_seqs: config.max_num_seqs,
+            max_model_len,
+            block_size: config.block_size,
+            num_blocks,
+            prefix_caching: config.prefix_caching,
+        });
+        Ok(Engine {
+            runner,
+            scheduler,
+            tokenizer,
+            seqs: HashMap::new(),
+            next_seq: 0,
+            next_offline_request: 1 << 63,
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn max_model_len(&self) -> usize {
+        self.scheduler.config.max_model_len
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let pool = &self.scheduler.pool;
+        EngineStats {
+            num_running: self.scheduler.num_running(),
+            num_waiting: self.scheduler.num_waiting(),
+            num_preemptions: self.scheduler.num_preemptions,
+            prefix_cache_queries: pool.stats.queries,
+            prefix_cache_hits: pool.stats.hits,
+            kv_cache_usage: pool.usage(),
+            free_blocks: pool.num_free(),
+            total_blocks: pool.num_blocks(),
+        }
+    }
+
+    /// Queues a request; it is rejected here if its parameters are invalid or it can never fit.
+    pub fn add_request(
+        &mut self,
+        request_id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<()> {
+        params.validate(self.runner.vocab_size())?;
+        let vocab = self.runner.vocab_size() as u32;
+        if let Some(t) = prompt.iter().find(|&&t| t >= vocab) {
+            bail!("prompt token id {t} is outside the vocabulary of {vocab}");
+        }
+        self.scheduler
+            .check_admissible(prompt.len(), params.max_tokens)?;
+        for index in 0..params.n {
+            let id = self.next_seq;
+            self.next_seq += 1;
+            let sampler = Sampler::new(params.clone(), &self.tokenizer.eos_token_ids, index as u64);
+            let detok = Detokenizer::new(&prompt, params.skip_special_tokens);
+            self.seqs.insert(
+                id,
+                SeqState {
+                    request_id,
+                    index,
+                    sampler,
+                    detok,
+                    text: String::new(),
+                    sent: 0,
+                },
+            );
+            self.scheduler
+                .add(Sequence::new(id, prompt.clone(), params.max_tokens))?;
+        }
+        Ok(())
+    }
+
+    /// Aborts every sequence of a request and frees its blocks at once.
+    pub fn abort(&mut self, request_id: RequestId) -> bool {
+        let ids: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.request_id == request_id)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &ids {
+            self.scheduler.remove(*id);
+            self.seqs.remove(id);
+        }
+        !ids.is_empty()
+    }
+
+    fn step_input(&self, out: &SchedulerOutput) -> (StepInput, Vec<SeqId>) {
+        let bs = self.scheduler.config.block_size;
+        let mut input = StepInput {
+            query_start_loc: vec![0],
+            ..Default::default()
+        };
+        let seqs: Vec<&Sequence> = out
+            .seqs
+            .iter()
+            .map(|s| self.scheduler.get(s.id).expect("scheduled sequences run"))
+            .collect();
+        input.max_blocks_per_seq = seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        let mut sampled = vec![];
+        for (sch, seq) in out.seqs.iter().zip(seqs) {
+            for p in sch.start..sch.start + sch.len {
+                input.token_ids.push(seq.tokens[p]);
+                input.positions.push(p as u32);
+                input
+                    .slot_mapping
+                    .push(seq.block_table[p / bs] * bs as u32 + (p % bs) as u32);
+            }
+            input.query_start_loc.push(input.token_ids.len() as u32);
+            input.seq_lens.push((sch.start + sch.len) as u32);
+            let mut table = seq.block_table.clone();
+            table.resize(input.max_blocks_per_seq, 0);
+            input.block_tables.extend(table);
+            if sch.start + sch.len == seq.tokens.len() {
+                input.logits_indices.push(input.token_ids.len() as u32 - 1);
+                sampled.push(seq.id);
+            }
+        }
+        (input, sampled)
+    }
+
+    /// Runs one step and returns the deltas of every sequence that produced output.
+    pub fn step(&mut self) -> Result<Vec<SeqDelta>> {
+        let out = self.scheduler.schedule();
+        if out.seqs.is_empty() {
+            return Ok(vec![]);
+        }
+        let (input, sampled) = self.step_input(&out);
+        let logits = self.runner.execute(&input)?;
+        let ready = self.scheduler.commit(&out);
+        debug_assert_eq!(ready, sampled);
+        let vocab = self.runner.vocab_size();
+        let mut deltas = Vec::with_capacity(sampled.len());
+        for (k, id) in sampled.into_iter().enumerate() {
+            let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
+            let seq = self.scheduler.get(id).expect("sampled sequences run");
+            let state = self.seqs.get_mut(&id).expect("every sequence has state");
+            let (token, logprobs) = state
+                .sampler
+                .sample(&mut row, &seq.tokens, seq.num_output());
+            self.scheduler.append(id, token);
+            let seq = self.scheduler.get(id).expect("still running");
+            let delta = Self::advance(&self.tokenizer, state, seq, token, logprobs)?;
+            if delta.finish_reason.is_some() {
+                self.scheduler.remove(id);
+                self.seqs.remove(&id);
+            }
+            deltas.push(delta);
+        }
+        Ok(deltas)
+    }
+
+    /// Folds a new token into a sequence's text, checking EOS, stop strings and length.
+    fn advance(
+        tok: &Tokenizer,
+        st: &mut SeqState,
+        seq: &Sequence,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Result<SeqDelta> {
+        let p = st.sampler.params();
+        let n = seq.num_output();
+        let mut finish = None;
+        if n > p.min_tokens.max(1) - 1 && st.sampler.is_stop_token(token) {
+            finish = Some(FinishReason::Stop);
+        } else {
+            let before = st.text.len();
+            st.text.push_str(&st.detok.push(tok, token)?);
+            if n >= p.min_tokens {
+                if let Some(cut) = find_stop(&st.text, &p.stop, before) {
+                    st.text.truncate(cut);
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+        }
+        if finish.is_none() && n >= p.max_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if finish == Some(FinishReason::Length) {
+            st.text.push_str(&st.detok.flush(tok)?);
+        }
+        // Hold back what could still become a stop string.
+        let hold = if finish.is_some() {
+            0
+        } else {
+            p.stop.iter().map(|s| s.len() - 1).max().unwrap_or(0)
+        };
+        let mut end = st.text.len().saturating_sub(hold).max(st.sent);
+        while !st.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let text = st.text[st.sent..end].to_string();
+        st.sent = end;
+        Ok(SeqDelta {
+            request_id: st.request_id,
+            index: st.index,
+            token_ids: vec![token],
+            text,
+            logprobs: logprobs.into_iter().collect(),
+            finish_reason: finish,
+        })
+    }
+
+    /// Offline generation: runs every prompt to completion, batched, and returns the
+    /// outputs in prompt order.
+    pub fn generate(
+        &mut self,
+        prompts: Vec<Vec<u32>>,
+        params: &[SamplingParams],
+    ) -> Result<Vec<RequestOutput>> {
+        assert_eq!(prompts.len(), params.len(), "one SamplingParams per prompt");
+        let start = Instant::now();
+        let base = self.next_offline_request;
+        self.next_offline_request += prompts.len() as u64;
+        let mut outputs: Vec<RequestOutput> = Vec::with_capacity(prompts.len());
+        for (i, (prompt, p)) in prompts.into_iter().zip(params).enumerate() {
+            let id = base + i as u64;
+            outputs.push(RequestOutput {
+                request_id: id,
+                prompt_token_ids: prompt.clone(),
+                completions: vec![Completion::default(); p.n],
+                ..Default::default()
+            });
+            if let Err(e) = self.add_request(id, prompt, p.clone()) {
+                for o in &outputs {
+                    self.abort(o.request_id);
+                }
+                return Err(e.context(format!("prompt {i}")));
+            }
+        }
+        while self.has_work() {
+            for d in self.step()? {
+                let out = &mut outputs[(d.request_id - base) as usize];
+                if out.time_to_first_token.is_zero() {
+                    out.time_to_first_token = start.elapsed();
+                }
+                out.time_to_finish = start.elapsed();
+                let c = &mut out.completions[d.index];
+                c.token_ids.extend(d.token_ids);
+                c.text.push_str(&d.text);
+                c.logprobs.extend(d.logprobs);
+                c.finish_reason = d.finish_reason;
+            }
+        }
+        Ok(outputs)
+    }
+}
+
+/// Byte offset of the earliest stop string that ends after `from`, if any.
+fn find_stop(text: &str, stops: &[String], from: usize) -> Option<usize> {
+    stops
+        .iter()
+        .filter_map(|s| {
+            let mut start = from.saturating_sub(s.len() - 1);
+            while !text.is_char_boundary(start) {
+                start -= 1;
+            }
+            text[start..].find(s.as_str()).map(|i| start + i)
+        })
+        .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::find_stop;
+
+    #[test]
+    fn stop_strings_are_found_across_deltas() {
+        let stops = vec!["END".to_string(), "\n\n".to_string()];
+        assert_eq!(find_stop("abc EN", &stops, 4), None);
+        assert_eq!(find_stop("abc END", &stops, 6), Some(4));
+        assert_eq!(find_stop("héllo\n\nx", &stops, 6), Some(6));
+    }
+}
