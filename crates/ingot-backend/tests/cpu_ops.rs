@@ -180,6 +180,42 @@ fn matmul_matches_dequantize_then_f32_for_every_dtype_and_path() {
 }
 
 #[test]
+fn f32_matmul_rows_do_not_depend_on_the_batch_size() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(11);
+    let (n, k) = (131, 576);
+    let (wb, _) = random_weight(&mut rng, DType::F32, n, k);
+    let mut w = b.alloc(DType::F32, n * k).unwrap();
+    b.upload(&mut w, &wb).unwrap();
+    let x = randn(&mut rng, 16 * k);
+    let run = |m: usize| {
+        let mut out = b.alloc(DType::F32, m * n).unwrap();
+        b.matmul(
+            &f32_buf(&b, &x[..m * k]),
+            &w,
+            None,
+            m,
+            n,
+            k,
+            MatmulOut {
+                buf: &mut out,
+                row_stride: n,
+                col_offset: 0,
+            },
+        );
+        b.download_f32(&out, m * n).unwrap()
+    };
+    let all = run(16);
+    for m in [1, 2, 3, 4, 5, 7, 9, 15] {
+        assert_eq!(
+            run(m),
+            all[..m * n],
+            "rows of a batch of {m} differ from the same rows in a batch of 16"
+        );
+    }
+}
+
+#[test]
 fn embedding_gathers_and_dequantizes_rows() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(2);

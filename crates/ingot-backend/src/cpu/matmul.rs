@@ -1,10 +1,12 @@
 //! `out = x · wᵀ` for f32 activations and weights of any dtype.
 //!
-//! Few rows (decode): each weight row is read once and dotted with every activation row,
-//! on integers where the weight type allows ([`crate::quant::vec_dot`]); parallel over
-//! weight rows. Many rows (prefill): weight rows are dequantized a tile at a time into f32
-//! and multiplied with the `gemm` crate, parallel over tiles; the tile stays in cache while
-//! all activation rows pass over it.
+//! f32 weights go to the `gemm` crate, whose result for a row does not depend on how many
+//! rows are multiplied (checked in the op tests), so f32 runs are batch-invariant.
+//! Other weights, few rows (decode): each weight row is read once and dotted with every
+//! activation row, on integers where the weight type allows ([`crate::quant::vec_dot`]);
+//! parallel over weight rows. Many rows (prefill): weight rows are dequantized a tile at a
+//! time into f32 and multiplied with `gemm`, parallel over tiles; the tile stays in cache
+//! while all activation rows pass over it.
 
 use super::SendPtr;
 use crate::quant::{self, Q8Block, Q8_BLOCK};
@@ -22,6 +24,12 @@ const TILE_ROWS: usize = 64;
 thread_local! {
     /// Per-thread scratch, grown to the largest shape seen and then reused.
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A single activation row padded to two, and its two output rows.
+    static PAIR: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+fn rayon_parallelism() -> gemm::Parallelism {
+    gemm::Parallelism::Rayon(rayon::current_num_threads())
 }
 
 /// Destination of a matmul: row `i` lands at `ptr[i * ld + j]` for `j < n`.
@@ -65,20 +73,23 @@ pub unsafe fn matmul(
         return;
     }
     match w {
-        Weight::F32(wf) if m > GEMV_MAX_ROWS => gemm_f32(
-            x,
-            wf,
-            m,
-            n,
-            k,
-            dst,
-            gemm::Parallelism::Rayon(rayon::current_num_threads()),
-        ),
+        Weight::F32(wf) if m > 1 => gemm_f32(x, wf, m, n, k, dst, rayon_parallelism()),
         Weight::F32(wf) => {
-            par_rows(n, |j| {
-                let row = &wf[j * k..(j + 1) * k];
-                for i in 0..m {
-                    dst.write(i, j, quant::vec_dot_f32(row, &x[i * k..(i + 1) * k]));
+            // `gemm` takes a separate route for a single row that rounds differently; two
+            // rows go through the same kernel as any batch, so a sequence's logits do not
+            // depend on how many others share its step.
+            PAIR.with_borrow_mut(|(x2, out2)| {
+                x2.clear();
+                x2.extend_from_slice(&x[..k]);
+                x2.resize(2 * k, 0.0);
+                out2.resize(2 * n, 0.0);
+                let pair = Dst {
+                    ptr: SendPtr(out2.as_mut_ptr()),
+                    ld: n,
+                };
+                gemm_f32(x2, wf, 2, n, k, pair, rayon_parallelism());
+                for (j, &v) in out2[..n].iter().enumerate() {
+                    dst.write(0, j, v);
                 }
             });
         }
@@ -145,10 +156,6 @@ pub unsafe fn matmul(
             });
         }
     }
-}
-
-fn par_rows(n: usize, f: impl Fn(usize) + Sync + Send) {
-    (0..n).into_par_iter().with_min_len(64).for_each(f);
 }
 
 impl Dst {
