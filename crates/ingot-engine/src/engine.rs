@@ -101,6 +101,8 @@ pub struct Engine<B: Backend> {
     scheduler: Scheduler,
     tokenizer: Arc<Tokenizer>,
     seqs: HashMap<SeqId, SeqState>,
+    /// Samples 2..n of a request, keyed by the first sample's id, until its prefill is done.
+    siblings: HashMap<SeqId, Vec<Sequence>>,
     next_seq: SeqId,
     /// Ids for `generate`'s requests, kept apart from callers' ids.
     next_offline_request: RequestId,
@@ -169,6 +171,7 @@ impl<B: Backend> Engine<B> {
             scheduler,
             tokenizer,
             seqs: HashMap::new(),
+            siblings: HashMap::new(),
             next_seq: 0,
             next_offline_request: 1 << 63,
         })
@@ -183,7 +186,7 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn has_work(&self) -> bool {
-        self.scheduler.has_work()
+        self.scheduler.has_work() || !self.siblings.is_empty()
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -230,10 +233,28 @@ impl<B: Backend> Engine<B> {
                     sent: 0,
                 },
             );
-            self.scheduler
-                .add(Sequence::new(id, prompt.clone(), params.max_tokens))?;
+            let seq = Sequence::new(id, prompt.clone(), params.max_tokens);
+            if index == 0 {
+                self.scheduler.add(seq)?;
+            } else {
+                // Siblings wait for the first sample's prefill, then find its prompt
+                // blocks in the prefix cache and share them.
+                self.siblings
+                    .entry(id - index as u64)
+                    .or_default()
+                    .push(seq);
+            }
         }
         Ok(())
+    }
+
+    /// Queues the siblings of sequence `first` once its prompt is in the cache.
+    fn release_siblings(&mut self, first: SeqId) {
+        for seq in self.siblings.remove(&first).unwrap_or_default() {
+            self.scheduler
+                .add(seq)
+                .expect("siblings pass the first sample's admission check");
+        }
     }
 
     /// Aborts every sequence of a request and frees its blocks at once.
@@ -247,6 +268,7 @@ impl<B: Backend> Engine<B> {
         for id in &ids {
             self.scheduler.remove(*id);
             self.seqs.remove(id);
+            self.siblings.remove(id);
         }
         !ids.is_empty()
     }
@@ -312,6 +334,7 @@ impl<B: Backend> Engine<B> {
                 self.seqs.remove(&id);
             }
             deltas.push(delta);
+            self.release_siblings(id);
         }
         Ok(deltas)
     }

@@ -4,11 +4,13 @@
 
 pub mod detokenizer;
 pub mod engine;
+pub mod engine_loop;
 pub mod runner;
 pub mod sampler;
 
 pub use engine::{
     Completion, Engine, EngineConfig, EngineStats, RequestId, RequestOutput, SeqDelta,
 };
+pub use engine_loop::{EngineHandle, Event};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};
 pub use sampler::{Sampler, TokenLogprobs};

@@ -286,8 +286,11 @@ fn stop_strings_n_and_logprobs() {
         ignore_eos: true,
         ..Default::default()
     };
+    let hits = e.stats().prefix_cache_hits;
     let out = e.generate(vec![prompt.clone()], &[n3]).unwrap().remove(0);
     assert_eq!(out.completions.len(), 3);
+    // Samples 2 and 3 share the prompt's two full blocks with the first.
+    assert!(e.stats().prefix_cache_hits - hits >= 2 * 32);
     assert!(out.completions.iter().all(|c| c.token_ids.len() == 8));
 
     let lp = SamplingParams {

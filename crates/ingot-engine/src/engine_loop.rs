@@ -1,0 +1,209 @@
+//! The engine on its own thread: requests arrive through a channel, each request's output
+//! deltas leave through its own channel, and a request whose receiver is dropped (a
+//! disconnected client) is aborted at once.
+
+use crate::engine::{Engine, EngineStats, RequestId, SeqDelta};
+use anyhow::{anyhow, Result};
+use ingot_backend::Backend;
+use ingot_core::SamplingParams;
+use ingot_model::Tokenizer;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// What a request's channel carries.
+pub type Event = Result<SeqDelta, String>;
+
+enum Command {
+    Add {
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        events: Sender<Event>,
+        admitted: Sender<Result<()>>,
+    },
+    Abort(RequestId),
+}
+
+/// A cloneable handle to the engine thread; the thread stops (after finishing what is in
+/// flight) when the last clone is dropped.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    commands: Option<Sender<Command>>,
+    thread: Option<JoinHandle<()>>,
+    next_id: AtomicU64,
+    stats: Arc<Mutex<EngineStats>>,
+    tokenizer: Arc<Tokenizer>,
+    max_model_len: usize,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        drop(self.commands.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Live {
+    events: Sender<Event>,
+    /// Samples still generating.
+    remaining: usize,
+}
+
+impl EngineHandle {
+    pub fn spawn<B: Backend + 'static>(mut engine: Engine<B>) -> EngineHandle
+    where
+        Engine<B>: Send,
+    {
+        let (tx, rx) = mpsc::channel::<Command>();
+        let stats = Arc::new(Mutex::new(engine.stats()));
+        let tokenizer = engine.tokenizer().clone();
+        let max_model_len = engine.max_model_len();
+        let shared = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("ingot-engine".into())
+            .spawn(move || run(&mut engine, rx, &shared))
+            .expect("spawn the engine thread");
+        let inner = Inner {
+            commands: Some(tx),
+            thread: Some(thread),
+            next_id: AtomicU64::new(0),
+            stats,
+            tokenizer,
+            max_model_len,
+        };
+        EngineHandle {
+            inner: Arc::new(inner),
+        }
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.inner.tokenizer
+    }
+
+    pub fn max_model_len(&self) -> usize {
+        self.inner.max_model_len
+    }
+
+    /// Counters as of the last step.
+    pub fn stats(&self) -> EngineStats {
+        *self.inner.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn send(&self, cmd: Command) -> Result<()> {
+        let tx = self.inner.commands.as_ref().expect("present until drop");
+        tx.send(cmd).map_err(|_| anyhow!("the engine has stopped"))
+    }
+
+    /// Submits a request; admission errors (invalid parameters, too long) come back here.
+    pub fn add_request(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(RequestId, Receiver<Event>)> {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = mpsc::channel();
+        let (admitted, ack) = mpsc::channel();
+        self.send(Command::Add {
+            id,
+            prompt,
+            params,
+            events,
+            admitted,
+        })?;
+        ack.recv()
+            .map_err(|_| anyhow!("the engine has stopped"))??;
+        Ok((id, rx))
+    }
+
+    pub fn abort(&self, id: RequestId) {
+        // A stopped engine has nothing left to abort.
+        let _ = self.send(Command::Abort(id));
+    }
+}
+
+fn handle<B: Backend>(engine: &mut Engine<B>, live: &mut HashMap<RequestId, Live>, cmd: Command) {
+    match cmd {
+        Command::Add {
+            id,
+            prompt,
+            params,
+            events,
+            admitted,
+        } => {
+            let n = params.n;
+            let result = engine.add_request(id, prompt, params);
+            if result.is_ok() {
+                live.insert(
+                    id,
+                    Live {
+                        events,
+                        remaining: n,
+                    },
+                );
+            }
+            let _ = admitted.send(result);
+        }
+        Command::Abort(id) => {
+            engine.abort(id);
+            live.remove(&id);
+        }
+    }
+}
+
+fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<EngineStats>) {
+    let mut live: HashMap<RequestId, Live> = HashMap::new();
+    loop {
+        // Idle: sleep until a command arrives; busy: take what is queued and keep stepping.
+        if !engine.has_work() {
+            match rx.recv() {
+                Ok(cmd) => handle(engine, &mut live, cmd),
+                Err(_) => return,
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            handle(engine, &mut live, cmd);
+        }
+        if engine.has_work() {
+            match engine.step() {
+                Ok(deltas) => {
+                    for d in deltas {
+                        let id = d.request_id;
+                        let Some(req) = live.get_mut(&id) else {
+                            continue;
+                        };
+                        let finished = d.finish_reason.is_some();
+                        if req.events.send(Ok(d)).is_err() {
+                            // The receiver is gone: nobody wants the rest.
+                            engine.abort(id);
+                            live.remove(&id);
+                            continue;
+                        }
+                        if finished {
+                            req.remaining -= 1;
+                            if req.remaining == 0 {
+                                live.remove(&id);
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("engine step failed: {e:#}");
+                    for (id, req) in live.drain() {
+                        let _ = req.events.send(Err(format!("engine step failed: {e:#}")));
+                        engine.abort(id);
+                    }
+                }
+            }
+        }
+        *stats.lock().unwrap_or_else(|e| e.into_inner()) = engine.stats();
+    }
+}
