@@ -20,7 +20,7 @@ enum Command {
     Add {
         id: RequestId,
         prompt: Vec<u32>,
-        params: SamplingParams,
+        params: Box<SamplingParams>,
         events: Sender<Event>,
         admitted: Sender<Result<()>>,
     },
@@ -115,7 +115,7 @@ impl EngineHandle {
         self.send(Command::Add {
             id,
             prompt,
-            params,
+            params: Box::new(params),
             events,
             admitted,
         })?;
@@ -140,7 +140,7 @@ fn handle<B: Backend>(engine: &mut Engine<B>, live: &mut HashMap<RequestId, Live
             admitted,
         } => {
             let n = params.n;
-            let result = engine.add_request(id, prompt, params);
+            let result = engine.add_request(id, prompt, *params);
             if result.is_ok() {
                 live.insert(
                     id,
