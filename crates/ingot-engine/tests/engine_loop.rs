@@ -27,7 +27,7 @@ fn concurrent_requests_match_offline_generation_and_disconnects_free_blocks() {
     let prompts: Vec<Vec<u32>> = (0..6)
         .map(|i| {
             (0..(5 + 7 * i))
-                .map(|t| 2 + (t * 13 + i as u32) % 90)
+                .map(|t| 2 + (t * 13 + i) % 90)
                 .collect()
         })
         .collect();
