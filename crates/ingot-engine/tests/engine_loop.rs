@@ -25,11 +25,7 @@ fn concurrent_requests_match_offline_generation_and_disconnects_free_blocks() {
     let dir = std::env::temp_dir().join(format!("ingot-loop-{}", std::process::id()));
     SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
     let prompts: Vec<Vec<u32>> = (0..6)
-        .map(|i| {
-            (0..(5 + 7 * i))
-                .map(|t| 2 + (t * 13 + i) % 90)
-                .collect()
-        })
+        .map(|i| (0..(5 + 7 * i)).map(|t| 2 + (t * 13 + i) % 90).collect())
         .collect();
     let params = SamplingParams {
         ignore_eos: true,

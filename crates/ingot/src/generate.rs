@@ -157,6 +157,13 @@ pub fn run(args: Args) -> Result<()> {
     let mut engine = Engine::new(backend, model, tokenizer, args.engine.config())?;
     let params = vec![params; prompts.len()];
     let outputs = engine.generate(prompts, &params)?;
+    let stats = engine.stats();
+    tracing::info!(
+        "prefix cache: {} of {} prompt tokens hit; {} preemptions",
+        stats.prefix_cache_hits,
+        stats.prefix_cache_queries,
+        stats.num_preemptions
+    );
     for out in &outputs {
         let prompt_len = out.prompt_token_ids.len();
         let prefill_tok_s = prompt_len as f64 / out.time_to_first_token.as_secs_f64();
