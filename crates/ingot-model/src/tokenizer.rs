@@ -26,6 +26,23 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    fn new(
+        inner: tokenizers::Tokenizer,
+        eos_token_ids: Vec<u32>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+        chat_template: Option<String>,
+    ) -> Result<Tokenizer> {
+        let chat_template = chat_template.map(ChatTemplate::new).transpose()?;
+        Ok(Tokenizer {
+            inner,
+            eos_token_ids,
+            bos_token,
+            eos_token,
+            chat_template,
+        })
+    }
+
     pub fn from_checkpoint(ckpt: &Checkpoint) -> Result<Tokenizer> {
         match ckpt {
             Checkpoint::Safetensors { dir, .. } => from_hf_dir(dir),
@@ -123,13 +140,7 @@ fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
     }
     eos_token_ids.sort_unstable();
     eos_token_ids.dedup();
-    Ok(Tokenizer {
-        inner,
-        eos_token_ids,
-        bos_token,
-        eos_token,
-        chat_template: template.map(ChatTemplate::new).transpose()?,
-    })
+    Tokenizer::new(inner, eos_token_ids, bos_token, eos_token, template)
 }
 
 /// The pre-tokenizer regexes of llama.cpp's `tokenizer.ggml.pre` names.
@@ -252,13 +263,7 @@ fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     let template = get("tokenizer.chat_template")
         .and_then(Value::as_str)
         .map(String::from);
-    Ok(Tokenizer {
-        inner,
-        eos_token_ids,
-        bos_token,
-        eos_token,
-        chat_template: template.map(ChatTemplate::new).transpose()?,
-    })
+    Tokenizer::new(inner, eos_token_ids, bos_token, eos_token, template)
 }
 
 fn vocab_id(tokens: &[String], t: &str) -> u32 {

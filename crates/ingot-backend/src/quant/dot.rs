@@ -46,27 +46,17 @@ pub fn uses_q8_activations(dtype: DType) -> bool {
 /// Dot product of weight row `w` (`dtype`, `xf.len()` elements) with an activation row
 /// given both as f32 (`xf`) and, for integer types, quantized (`xq`).
 pub fn vec_dot(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2")
+    let mut out = [0f32];
+    dot_rows(dtype, w, xq, xf, &mut out);
+    out[0]
+}
+
+/// Whether the AVX2 kernels can run here (detected once, then a cached flag).
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
         && std::arch::is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU supports the features the kernels were compiled for.
-        unsafe {
-            match dtype {
-                DType::Q8_0 => return avx2::dot_q8_0(w, xq),
-                DType::Q4_0 => return avx2::dot_q4(w, xq, 18, false),
-                DType::Q4_1 => return avx2::dot_q4(w, xq, 20, true),
-                _ => {}
-            }
-        }
-    }
-    match dtype {
-        DType::Q8_0 => dot_q8_0_scalar(w, xq),
-        DType::Q4_0 => dot_q4_scalar(w, xq, false),
-        DType::Q4_1 => dot_q4_scalar(w, xq, true),
-        _ => dot_dequantized(dtype, w, xf),
-    }
 }
 
 /// Dot products of consecutive weight rows (`out.len()` of them, `xf.len()` elements each)
@@ -76,10 +66,7 @@ pub fn dot_rows(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32], out: &mut [f
     let row_bytes = dtype.bytes_for(xf.len());
     assert!(w.len() >= out.len() * row_bytes);
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-    {
+    if has_avx2() {
         // SAFETY: the CPU supports the features the kernels were compiled for.
         unsafe {
             match dtype {
@@ -91,7 +78,13 @@ pub fn dot_rows(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32], out: &mut [f
         }
     }
     for (j, o) in out.iter_mut().enumerate() {
-        *o = vec_dot(dtype, &w[j * row_bytes..(j + 1) * row_bytes], xq, xf);
+        let row = &w[j * row_bytes..(j + 1) * row_bytes];
+        *o = match dtype {
+            DType::Q8_0 => dot_q8_0_scalar(row, xq),
+            DType::Q4_0 => dot_q4_scalar(row, xq, false),
+            DType::Q4_1 => dot_q4_scalar(row, xq, true),
+            _ => dot_dequantized(dtype, row, xf),
+        };
     }
 }
 
@@ -114,7 +107,7 @@ fn dot_dequantized(dtype: DType, w: &[u8], xf: &[f32]) -> f32 {
 pub fn vec_dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if has_avx2() {
         // SAFETY: features checked above.
         return unsafe { avx2::dot_f32(a, b) };
     }
@@ -321,21 +314,6 @@ mod avx2 {
         for (j, o) in out.iter_mut().enumerate() {
             *o = q4_row(w.as_ptr().add(j * row_bytes), bb, xq, has_min);
         }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_0(w: &[u8], xq: &[Q8Block]) -> f32 {
-        q8_0_row(w.as_ptr(), &xq[..w.len() / 34])
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4(w: &[u8], xq: &[Q8Block], block_bytes: usize, has_min: bool) -> f32 {
-        q4_row(
-            w.as_ptr(),
-            block_bytes,
-            &xq[..w.len() / block_bytes],
-            has_min,
-        )
     }
 }
 
