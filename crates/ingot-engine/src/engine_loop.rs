@@ -13,15 +13,18 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-/// What a request's channel carries.
+/// What a request's channel carries. The channel is tokio's unbounded one: the engine
+/// thread sends without blocking, async servers `recv().await`, threads `blocking_recv()`.
 pub type Event = Result<SeqDelta, String>;
+pub type Events = tokio::sync::mpsc::UnboundedReceiver<Event>;
+type EventSender = tokio::sync::mpsc::UnboundedSender<Event>;
 
 enum Command {
     Add {
         id: RequestId,
         prompt: Vec<u32>,
         params: Box<SamplingParams>,
-        events: Sender<Event>,
+        events: EventSender,
         admitted: Sender<Result<()>>,
     },
     Abort(RequestId),
@@ -53,7 +56,7 @@ impl Drop for Inner {
 }
 
 struct Live {
-    events: Sender<Event>,
+    events: EventSender,
     /// Samples still generating.
     remaining: usize,
 }
@@ -108,9 +111,9 @@ impl EngineHandle {
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-    ) -> Result<(RequestId, Receiver<Event>)> {
+    ) -> Result<(RequestId, Events)> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let (events, rx) = mpsc::channel();
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
         let (admitted, ack) = mpsc::channel();
         self.send(Command::Add {
             id,

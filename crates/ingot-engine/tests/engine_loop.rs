@@ -42,10 +42,12 @@ fn concurrent_requests_match_offline_generation_and_disconnects_free_blocks() {
         .map(|p| {
             let (h, params) = (handle.clone(), params.clone());
             std::thread::spawn(move || {
-                let (_, rx) = h.add_request(p, params).unwrap();
-                rx.iter()
-                    .flat_map(|e| e.unwrap().token_ids)
-                    .collect::<Vec<u32>>()
+                let (_, mut rx) = h.add_request(p, params).unwrap();
+                let mut tokens = vec![];
+                while let Some(e) = rx.blocking_recv() {
+                    tokens.extend(e.unwrap().token_ids);
+                }
+                tokens
             })
         })
         .collect();
@@ -70,7 +72,7 @@ fn concurrent_requests_match_offline_generation_and_disconnects_free_blocks() {
 
     // Clients that go away mid-stream: their requests are aborted and their blocks freed.
     for _ in 0..20 {
-        let (_, rx) = handle
+        let (_, mut rx) = handle
             .add_request(
                 prompts[5].clone(),
                 SamplingParams {
@@ -79,7 +81,7 @@ fn concurrent_requests_match_offline_generation_and_disconnects_free_blocks() {
                 },
             )
             .unwrap();
-        rx.recv().unwrap().unwrap();
+        rx.blocking_recv().unwrap().unwrap();
         drop(rx);
     }
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
