@@ -3,7 +3,7 @@
 //! disconnected client) is aborted at once.
 
 use crate::engine::{Engine, EngineStats, RequestId, SeqDelta};
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use ingot_backend::Backend;
 use ingot_core::SamplingParams;
 use ingot_model::Tokenizer;
@@ -12,6 +12,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+
+/// Why a request was not taken.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// Invalid parameters or a request that can never fit: the client's to fix.
+    #[error("{0:#}")]
+    Rejected(anyhow::Error),
+    #[error("the engine has stopped")]
+    Stopped,
+}
 
 /// What a request's channel carries. The channel is tokio's unbounded one: the engine
 /// thread sends without blocking, async servers `recv().await`, threads `blocking_recv()`.
@@ -101,9 +111,9 @@ impl EngineHandle {
         *self.inner.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn send(&self, cmd: Command) -> Result<()> {
+    fn send(&self, cmd: Command) -> Result<(), SubmitError> {
         let tx = self.inner.commands.as_ref().expect("present until drop");
-        tx.send(cmd).map_err(|_| anyhow!("the engine has stopped"))
+        tx.send(cmd).map_err(|_| SubmitError::Stopped)
     }
 
     /// Submits a request; admission errors (invalid parameters, too long) come back here.
@@ -111,7 +121,7 @@ impl EngineHandle {
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-    ) -> Result<(RequestId, Events)> {
+    ) -> Result<(RequestId, Events), SubmitError> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tokio::sync::mpsc::unbounded_channel();
         let (admitted, ack) = mpsc::channel();
@@ -123,7 +133,8 @@ impl EngineHandle {
             admitted,
         })?;
         ack.recv()
-            .map_err(|_| anyhow!("the engine has stopped"))??;
+            .map_err(|_| SubmitError::Stopped)?
+            .map_err(SubmitError::Rejected)?;
         Ok((id, rx))
     }
 

@@ -11,6 +11,6 @@ pub mod sampler;
 pub use engine::{
     Completion, Engine, EngineConfig, EngineStats, RequestId, RequestOutput, SeqDelta,
 };
-pub use engine_loop::{EngineHandle, Event, Events};
+pub use engine_loop::{EngineHandle, Event, Events, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};
 pub use sampler::{Sampler, TokenLogprobs};

@@ -1,6 +1,7 @@
 //! The `ingot` command line.
 
 mod generate;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -13,8 +14,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate a completion for one prompt.
+    /// Generate completions for one prompt or a batch.
     Generate(generate::Args),
+    /// Serve the OpenAI-compatible API.
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -26,6 +29,7 @@ fn main() {
         .init();
     let result = match Cli::parse().command {
         Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

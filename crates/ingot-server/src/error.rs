@@ -1,0 +1,59 @@
+//! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn with_param(mut self, param: &str) -> ApiError {
+        self.param = Some(param.to_string());
+        self
+    }
+
+    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            _ => "internal_server_error",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind(),
+                "param": self.param,
+                "code": self.status.as_u16(),
+            }
+        });
+        (self.status, Json(body)).into_response()
+    }
+}

@@ -1,0 +1,702 @@
+//! The OpenAI-compatible HTTP API: completions and chat completions (plain and streamed as
+//! server-sent events), models, health, version, metrics, tokenize and detokenize.
+
+pub mod error;
+pub mod metrics;
+pub mod protocol;
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::protocol::{ChatRequest, CompletionRequest, Content, Prompt};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use ingot_core::SamplingParams;
+use ingot_engine::{EngineHandle, Events, SeqDelta, SubmitError, TokenLogprobs};
+use ingot_model::chat::Message;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+pub struct ServerConfig {
+    pub served_model_name: String,
+    pub api_key: Option<String>,
+    /// Requests waiting beyond this many are refused with 503.
+    pub max_waiting: usize,
+    /// Request bodies larger than this are refused with 413.
+    pub max_body_bytes: usize,
+}
+
+pub struct AppState {
+    /// Set once the model has loaded; until then the API answers 503.
+    pub engine: OnceLock<EngineHandle>,
+    pub config: ServerConfig,
+    pub metrics: Metrics,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(config: ServerConfig) -> Arc<AppState> {
+        Arc::new(AppState {
+            engine: OnceLock::new(),
+            config,
+            metrics: Metrics::default(),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn engine(&self) -> Result<&EngineHandle, ApiError> {
+        self.engine.get().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the model is still loading",
+            )
+        })
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .route("/metrics", get(metrics_endpoint))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .with_state(state)
+}
+
+async fn require_api_key(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(key) = &state.config.api_key {
+        let given = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return ApiError::new(StatusCode::UNAUTHORIZED, "invalid or missing API key")
+                .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    match state.engine.get() {
+        Some(_) => StatusCode::OK.into_response(),
+        None => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model is still loading",
+        )
+        .into_response(),
+    }
+}
+
+async fn version() -> Json<Value> {
+    Json(json!({ "version": env!("CARGO_PKG_VERSION") }))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let engine = state.engine()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.served_model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "ingot",
+            "max_model_len": engine.max_model_len(),
+        }]
+    })))
+}
+
+async fn metrics_endpoint(State(state): State<Arc<AppState>>) -> Response {
+    let stats = state.engine.get().map(|e| e.stats()).unwrap_or_default();
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        state.metrics.render(&stats),
+    )
+        .into_response()
+}
+
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let engine = state.engine()?;
+    let v: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let prompt = v
+        .get("prompt")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_request("`prompt` must be a string").with_param("prompt"))?;
+    let add_special = v
+        .get("add_special_tokens")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let tokens = engine
+        .tokenizer()
+        .encode(prompt, add_special)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok(Json(
+        json!({ "tokens": tokens, "count": tokens.len(), "max_model_len": engine.max_model_len() }),
+    ))
+}
+
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let engine = state.engine()?;
+    let v: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let tokens: Vec<u32> = v
+        .get("tokens")
+        .and_then(|t| serde_json::from_value(t.clone()).ok())
+        .ok_or_else(|| {
+            ApiError::bad_request("`tokens` must be a list of token ids").with_param("tokens")
+        })?;
+    let vocab = engine.tokenizer().vocab_size() as u32;
+    if let Some(t) = tokens.iter().find(|&&t| t >= vocab) {
+        return Err(ApiError::bad_request(format!(
+            "token id {t} is outside the vocabulary of {vocab}"
+        ))
+        .with_param("tokens"));
+    }
+    let text = engine
+        .tokenizer()
+        .decode(&tokens, false)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok(Json(json!({ "prompt": text })))
+}
+
+fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if *m != state.config.served_model_name => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "The model `{m}` does not exist. This server serves `{}`.",
+                state.config.served_model_name
+            ),
+        )
+        .with_param("model")),
+        _ => Ok(()),
+    }
+}
+
+fn context_error(max_model_len: usize, prompt: usize) -> ApiError {
+    ApiError::bad_request(format!(
+        "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt} input tokens. Please reduce the length of the input."
+    ))
+}
+
+/// One submitted prompt: its index among the request's prompts and its output channel.
+struct Submitted {
+    prompt_index: usize,
+    prompt: Vec<u32>,
+    events: Events,
+}
+
+/// Submits every prompt or none: on a rejection the ones already queued are aborted.
+fn submit(
+    state: &AppState,
+    prompts: Vec<Vec<u32>>,
+    params: &SamplingParams,
+) -> Result<Vec<Submitted>, ApiError> {
+    let engine = state.engine()?;
+    if engine.stats().num_waiting >= state.config.max_waiting {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is at capacity: too many requests are waiting",
+        ));
+    }
+    let mut out = vec![];
+    let mut ids = vec![];
+    for (prompt_index, prompt) in prompts.into_iter().enumerate() {
+        match engine.add_request(prompt.clone(), params.clone()) {
+            Ok((id, events)) => {
+                ids.push(id);
+                out.push(Submitted {
+                    prompt_index,
+                    prompt,
+                    events,
+                });
+            }
+            Err(e) => {
+                ids.iter().for_each(|&id| engine.abort(id));
+                return Err(match e {
+                    SubmitError::Rejected(e) => ApiError::bad_request(format!("{e:#}")),
+                    SubmitError::Stopped => {
+                        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
+                    }
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Latency bookkeeping of one request for the metrics and the request log.
+struct Timing {
+    start: Instant,
+    first: Option<Instant>,
+    last: Instant,
+    tokens: usize,
+}
+
+impl Timing {
+    fn new() -> Timing {
+        let now = Instant::now();
+        Timing {
+            start: now,
+            first: None,
+            last: now,
+            tokens: 0,
+        }
+    }
+
+    fn token(&mut self, m: &Metrics, n: usize) {
+        let now = Instant::now();
+        match self.first {
+            None => {
+                self.first = Some(now);
+                m.time_to_first_token
+                    .observe((now - self.start).as_secs_f64());
+            }
+            Some(_) => m
+                .inter_token_latency
+                .observe((now - self.last).as_secs_f64()),
+        }
+        self.last = now;
+        self.tokens += n;
+        m.generation_tokens.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn finish(&self, m: &Metrics, id: &str, prompt_tokens: usize) {
+        let total = self.start.elapsed();
+        m.e2e_latency.observe(total.as_secs_f64());
+        let ttft = self.first.map_or(0.0, |f| (f - self.start).as_secs_f64());
+        tracing::info!(
+            request = id,
+            prompt_tokens,
+            generated_tokens = self.tokens,
+            ttft_s = ttft,
+            total_s = total.as_secs_f64(),
+            "request finished"
+        );
+    }
+}
+
+/// Which OpenAI response shape a generation is rendered in.
+#[derive(Clone, Copy)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+struct Job {
+    id: String,
+    kind: Kind,
+    model: String,
+    n: usize,
+    /// Completions with `echo`: the prompt text comes first.
+    echo: Vec<String>,
+    include_usage: bool,
+}
+
+fn token_text(state: &AppState, id: u32) -> String {
+    state
+        .engine
+        .get()
+        .and_then(|e| e.tokenizer().decode(&[id], false).ok())
+        .unwrap_or_default()
+}
+
+fn logprobs_json(state: &AppState, kind: Kind, lps: &[TokenLogprobs]) -> Value {
+    if lps.is_empty() {
+        return Value::Null;
+    }
+    match kind {
+        Kind::Completion => json!({
+            "tokens": lps.iter().map(|l| token_text(state, l.token)).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (token_text(state, *t), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        }),
+        Kind::Chat => json!({
+            "content": lps.iter().map(|l| {
+                let tok = token_text(state, l.token);
+                json!({
+                    "token": tok,
+                    "logprob": l.logprob,
+                    "bytes": tok.as_bytes(),
+                    "top_logprobs": l.top.iter().map(|(t, p)| {
+                        let s = token_text(state, *t);
+                        json!({"token": s, "logprob": p, "bytes": s.as_bytes()})
+                    }).collect::<Vec<_>>(),
+                })
+            }).collect::<Vec<_>>()
+        }),
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// Runs a job to completion and renders one response.
+async fn collect(
+    state: Arc<AppState>,
+    job: Job,
+    subs: Vec<Submitted>,
+) -> Result<Json<Value>, ApiError> {
+    let mut choices = vec![];
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for mut sub in subs {
+        prompt_tokens += sub.prompt.len();
+        state
+            .metrics
+            .prompt_tokens
+            .fetch_add(sub.prompt.len() as u64, Ordering::Relaxed);
+        let mut timing = Timing::new();
+        let mut samples: Vec<(String, Vec<TokenLogprobs>, Option<String>)> =
+            vec![(String::new(), vec![], None); job.n];
+        while let Some(event) = sub.events.recv().await {
+            let d = event.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))?;
+            timing.token(&state.metrics, d.token_ids.len());
+            completion_tokens += d.token_ids.len();
+            let s = &mut samples[d.index];
+            s.0.push_str(&d.text);
+            s.1.extend(d.logprobs);
+            if let Some(f) = d.finish_reason {
+                s.2 = Some(finish_name(f));
+            }
+        }
+        timing.finish(&state.metrics, &job.id, sub.prompt.len());
+        for (i, (text, lps, finish)) in samples.into_iter().enumerate() {
+            let index = sub.prompt_index * job.n + i;
+            let logprobs = logprobs_json(&state, job.kind, &lps);
+            choices.push(match job.kind {
+                Kind::Completion => {
+                    let text = format!("{}{text}", job.echo.get(sub.prompt_index).map_or("", String::as_str));
+                    json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                }
+                Kind::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }),
+            });
+        }
+    }
+    let object = match job.kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion",
+    };
+    Ok(Json(json!({
+        "id": job.id,
+        "object": object,
+        "created": now(),
+        "model": job.model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    })))
+}
+
+fn finish_name(f: ingot_core::FinishReason) -> String {
+    serde_json::to_value(f)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+/// One streamed chunk for one sample's delta.
+fn chunk(state: &AppState, job: &Job, prompt_index: usize, d: &SeqDelta, first: bool) -> Value {
+    let index = prompt_index * job.n + d.index;
+    let logprobs = logprobs_json(state, job.kind, &d.logprobs);
+    let finish = d.finish_reason.map(finish_name);
+    match job.kind {
+        Kind::Completion => {
+            let echo = if first {
+                job.echo.get(prompt_index).map_or("", String::as_str)
+            } else {
+                ""
+            };
+            json!({
+                "id": job.id, "object": "text_completion", "created": now(), "model": job.model,
+                "choices": [{"index": index, "text": format!("{echo}{}", d.text), "logprobs": logprobs, "finish_reason": finish}],
+            })
+        }
+        Kind::Chat => {
+            let delta = if first {
+                json!({"role": "assistant", "content": d.text})
+            } else {
+                json!({"content": d.text})
+            };
+            json!({
+                "id": job.id, "object": "chat.completion.chunk", "created": now(), "model": job.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            })
+        }
+    }
+}
+
+/// Per-prompt state while streaming.
+struct Streaming {
+    state: Arc<AppState>,
+    job: Arc<Job>,
+    sub: Submitted,
+    timing: Timing,
+    /// Samples whose first chunk went out.
+    started: Vec<bool>,
+    completion_tokens: Arc<AtomicU64>,
+}
+
+async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
+    match s.sub.events.recv().await {
+        Some(Ok(d)) => {
+            s.timing.token(&s.state.metrics, d.token_ids.len());
+            s.completion_tokens
+                .fetch_add(d.token_ids.len() as u64, Ordering::Relaxed);
+            let first = !std::mem::replace(&mut s.started[d.index], true);
+            let v = chunk(&s.state, &s.job, s.sub.prompt_index, &d, first);
+            Some((v, s))
+        }
+        Some(Err(e)) => {
+            let v = json!({"error": {"message": e, "type": "internal_server_error", "param": null, "code": 500}});
+            Some((v, s))
+        }
+        None => {
+            s.timing
+                .finish(&s.state.metrics, &s.job.id, s.sub.prompt.len());
+            None
+        }
+    }
+}
+
+/// Streams a job as server-sent events ending in `data: [DONE]`. Dropping the stream (a
+/// client that disconnects) drops the receivers, and the engine aborts the requests.
+fn stream_job(
+    state: Arc<AppState>,
+    job: Job,
+    subs: Vec<Submitted>,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let prompt_tokens: usize = subs.iter().map(|s| s.prompt.len()).sum();
+    state
+        .metrics
+        .prompt_tokens
+        .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+    let job = Arc::new(job);
+    let completion_tokens = Arc::new(AtomicU64::new(0));
+    let per_prompt = subs.into_iter().map(|sub| {
+        let s = Streaming {
+            state: state.clone(),
+            job: job.clone(),
+            sub,
+            timing: Timing::new(),
+            started: vec![false; job.n],
+            completion_tokens: completion_tokens.clone(),
+        };
+        stream::unfold(s, next_chunk).boxed()
+    });
+    let body = stream::select_all(per_prompt).map(|v| Ok(SseEvent::default().data(v.to_string())));
+    let tail = stream::once(async move {
+        let mut events = vec![];
+        if job.include_usage {
+            let object = match job.kind {
+                Kind::Completion => "text_completion",
+                Kind::Chat => "chat.completion.chunk",
+            };
+            let usage = usage(prompt_tokens, completion_tokens.load(Ordering::Relaxed) as usize);
+            let v = json!({"id": job.id, "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
+            events.push(Ok(SseEvent::default().data(v.to_string())));
+        }
+        events.push(Ok(SseEvent::default().data("[DONE]")));
+        stream::iter(events)
+    })
+    .flatten();
+    Sse::new(body.chain(tail))
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = protocol::parse(&body, protocol::COMPLETION_FIELDS)?;
+    check_model(&state, &req.model)?;
+    let engine = state.engine()?;
+    if req.best_of.is_some_and(|b| b > 1) {
+        return Err(ApiError::bad_request("`best_of` is not supported").with_param("best_of"));
+    }
+    if req.suffix.is_some() {
+        return Err(ApiError::bad_request("`suffix` is not supported").with_param("suffix"));
+    }
+    let tok = engine.tokenizer();
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        Prompt::Text(t) => vec![tok
+            .encode(t, true)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?],
+        Prompt::Texts(ts) => ts
+            .iter()
+            .map(|t| tok.encode(t, true))
+            .collect::<anyhow::Result<_>>()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?,
+        Prompt::Tokens(ids) => vec![ids.clone()],
+        Prompt::TokenLists(lists) => lists.clone(),
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::bad_request("`prompt` is empty").with_param("prompt"));
+    }
+    let mut params = req.sampling.to_params(req.logprobs)?;
+    params.max_tokens = req.max_tokens.unwrap_or(16);
+    let echo = if req.echo.unwrap_or(false) {
+        prompts
+            .iter()
+            .map(|p| tok.decode(p, false))
+            .collect::<anyhow::Result<_>>()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?
+    } else {
+        vec![]
+    };
+    let job = Job {
+        id: format!("cmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed)),
+        kind: Kind::Completion,
+        model: state.config.served_model_name.clone(),
+        n: params.n,
+        echo,
+        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    };
+    let subs = submit(&state, prompts, &params)?;
+    if req.stream.unwrap_or(false) {
+        Ok(stream_job(state, job, subs).into_response())
+    } else {
+        Ok(collect(state, job, subs).await?.into_response())
+    }
+}
+
+fn message_text(content: &Option<Content>) -> Result<String, ApiError> {
+    match content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                if p.kind != "text" {
+                    return Err(ApiError::bad_request(format!(
+                        "content parts of type `{}` are not supported",
+                        p.kind
+                    ))
+                    .with_param("messages"));
+                }
+                text.push_str(p.text.as_deref().unwrap_or(""));
+            }
+            Ok(text)
+        }
+    }
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ChatRequest = protocol::parse(&body, protocol::CHAT_FIELDS)?;
+    check_model(&state, &req.model)?;
+    let engine = state.engine()?;
+    if req.tools.is_some() || req.tool_choice.is_some() {
+        let field = if req.tools.is_some() {
+            "tools"
+        } else {
+            "tool_choice"
+        };
+        return Err(ApiError::bad_request(format!(
+            "`{field}` is not supported: ingot has no tool calling yet"
+        ))
+        .with_param(field));
+    }
+    if let Some(f) = req.response_format.as_ref().filter(|f| f.kind != "text") {
+        return Err(ApiError::bad_request(format!(
+            "response_format `{}` is not supported (only `text`)",
+            f.kind
+        ))
+        .with_param("response_format"));
+    }
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_request("`messages` is empty").with_param("messages"));
+    }
+    let mut messages = vec![];
+    for m in &req.messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+            return Err(ApiError::bad_request(format!(
+                "message role `{}` is not supported",
+                m.role
+            ))
+            .with_param("messages"));
+        }
+        messages.push(Message {
+            role: m.role.clone(),
+            content: message_text(&m.content)?,
+        });
+    }
+    let tok = engine.tokenizer();
+    let rendered = tok
+        .apply_chat_template(&messages)
+        .map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+    let prompt = tok
+        .encode(&rendered, false)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let max_len = engine.max_model_len();
+    if prompt.len() >= max_len {
+        return Err(context_error(max_len, prompt.len()));
+    }
+    let top = if req.logprobs.unwrap_or(false) {
+        Some(req.top_logprobs.unwrap_or(0))
+    } else {
+        None
+    };
+    let mut params = req.sampling.to_params(top)?;
+    params.max_tokens = req
+        .max_completion_tokens
+        .or(req.max_tokens)
+        .unwrap_or(max_len - prompt.len());
+    let job = Job {
+        id: format!("chatcmpl-{}", state.next_id.fetch_add(1, Ordering::Relaxed)),
+        kind: Kind::Chat,
+        model: state.config.served_model_name.clone(),
+        n: params.n,
+        echo: vec![],
+        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    };
+    let subs = submit(&state, vec![prompt], &params)?;
+    if req.stream.unwrap_or(false) {
+        Ok(stream_job(state, job, subs).into_response())
+    } else {
+        Ok(collect(state, job, subs).await?.into_response())
+    }
+}

@@ -1,0 +1,384 @@
+//! `ingot serve` on 127.0.0.1 with a tiny synthetic model: every endpoint, the error cases,
+//! disconnects and graceful shutdown.
+
+use ingot_model::synthetic::SyntheticSpec;
+use ingot_model::Arch;
+use serde_json::{json, Value};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Server {
+    child: Child,
+    base: String,
+    dir: std::path::PathBuf,
+}
+
+impl Server {
+    async fn start(tag: &str, extra: &[&str]) -> Server {
+        let dir = std::env::temp_dir().join(format!("ingot-server-{tag}-{}", std::process::id()));
+        SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(env!("CARGO_BIN_EXE_ingot"))
+            .args([
+                "serve",
+                "--model",
+                dir.to_str().unwrap(),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+            ])
+            .args([
+                "--served-model-name",
+                "tiny",
+                "--threads",
+                "1",
+                "--kv-cache-memory",
+                "4000000",
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let s = Server {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if status(&format!("{}/health", s.base)).await == Some(200) {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("server did not become healthy");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn status(url: &str) -> Option<u16> {
+    reqwest::get(url).await.ok().map(|r| r.status().as_u16())
+}
+
+async fn post(base: &str, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn post_raw(base: &str, path: &str, body: Vec<u8>, key: Option<&str>) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// The `data:` payloads of an SSE body.
+async fn sse(base: &str, path: &str, body: Value) -> Vec<String> {
+    let text = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(String::from)
+        .collect()
+}
+
+async fn metric(base: &str, name: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(&format!("{name} "))
+                .map(|v| v.parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("{name} missing"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_streaming_and_errors() {
+    let s = Server::start("main", &["--max-model-len", "256"]).await;
+    let b = s.base.as_str();
+    let v: Value = reqwest::get(format!("{b}/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["data"][0]["id"], "tiny");
+    let v: Value = reqwest::get(format!("{b}/version"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(v["version"].is_string());
+
+    // Completions: plain, token-id prompts, several prompts with n, echo, logprobs.
+    let greedy = json!({"model": "tiny", "prompt": "w3 w4 w5", "max_tokens": 7, "temperature": 0, "ignore_eos": true});
+    let (st, plain) = post(b, "/v1/completions", greedy.clone()).await;
+    assert_eq!(st, 200, "{plain}");
+    assert_eq!(
+        plain["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})
+    );
+    let text = plain["choices"][0]["text"].as_str().unwrap().to_string();
+    let (_, ids) = post(
+        b,
+        "/v1/completions",
+        json!({"prompt": [3, 4, 5], "max_tokens": 7, "temperature": 0, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(ids["choices"][0]["text"], text.as_str());
+    let (_, many) = post(b, "/v1/completions", json!({"prompt": ["w3", "w9 w8"], "n": 2, "max_tokens": 3, "temperature": 0.7, "seed": 1, "echo": true, "logprobs": 2})).await;
+    let choices = many["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    assert!(choices[2]["text"].as_str().unwrap().starts_with("w9 w8"));
+    assert_eq!(
+        choices[0]["logprobs"]["top_logprobs"][0]
+            .as_object()
+            .unwrap()
+            .len(),
+        2
+    );
+
+    // Streamed greedy text equals the plain text; usage comes last, then [DONE].
+    let events = sse(b, "/v1/completions", json!({"prompt": "w3 w4 w5", "max_tokens": 7, "temperature": 0, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 7);
+
+    // Chat, plain and streamed.
+    let chat = json!({"messages": [{"role": "system", "content": "w2"}, {"role": "user", "content": [{"type": "text", "text": "w7 w8"}]}], "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (st, c) = post(b, "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(st, 200, "{c}");
+    assert_eq!(c["choices"][0]["message"]["role"], "assistant");
+    let mut streamed_chat = chat.clone();
+    streamed_chat["stream"] = json!(true);
+    let events = sse(b, "/v1/chat/completions", streamed_chat).await;
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        content,
+        c["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+
+    // Tokenize / detokenize.
+    let (_, t) = post(b, "/tokenize", json!({"prompt": "w5 w6"})).await;
+    assert_eq!(t["tokens"], json!([5, 6]));
+    let (_, d) = post(b, "/detokenize", json!({"tokens": [5, 6]})).await;
+    assert!(d["prompt"].as_str().unwrap().contains("w5"));
+
+    // Errors, each in OpenAI's shape.
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        (
+            "/v1/completions",
+            json!({"prompt": "w3", "temperature": -1}),
+            400,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "w3", "best_of": 3}),
+            400,
+            "best_of",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "w3", "frobnicate": 1}),
+            400,
+            "frobnicate",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "w3 ".repeat(300)}),
+            400,
+            "maximum context length is 256 tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "w3", "max_tokens": 1000}),
+            400,
+            "maximum context length is 256 tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [5000]}),
+            400,
+            "outside the vocabulary",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "w3", "model": "other"}),
+            404,
+            "does not exist",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "w1"}], "tools": []}),
+            400,
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}}),
+            400,
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}),
+            400,
+            "messages",
+        ),
+    ];
+    for (path, body, status, needle) in cases {
+        let (st, e) = post(b, path, body.clone()).await;
+        assert_eq!(st, status, "{body} -> {e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(needle),
+            "{body} -> {e}"
+        );
+        assert!(e["error"]["type"].is_string());
+    }
+    let (st, e) = post_raw(b, "/v1/completions", b"{not json".to_vec(), None).await;
+    assert_eq!(st, 400, "{e}");
+    let (st, _) = post_raw(b, "/v1/completions", vec![b' '; 9 << 20], None).await;
+    assert_eq!(st, 413);
+
+    // A client that disconnects mid-stream leaves no block in use.
+    for _ in 0..10 {
+        let mut r = reqwest::Client::new()
+            .post(format!("{b}/v1/completions"))
+            .json(
+                &json!({"prompt": "w3 w4", "max_tokens": 200, "ignore_eos": true, "stream": true}),
+            )
+            .send()
+            .await
+            .unwrap();
+        r.chunk().await.unwrap();
+        drop(r);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(b, "ingot:kv_cache_usage_perc").await > 0.0
+        || metric(b, "ingot:num_requests_running").await > 0.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "blocks still in use after disconnects"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(metric(b, "ingot:generation_tokens_total").await > 0.0);
+    let text = reqwest::get(format!("{b}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "ingot:time_to_first_token_seconds_count",
+        "ingot:e2e_request_latency_seconds_count",
+        "ingot:prefix_cache_queries_total",
+    ] {
+        assert!(text.contains(name), "{name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_queue_limit_and_graceful_shutdown() {
+    let mut s = Server::start("key", &["--api-key", "sekret"]).await;
+    let b = s.base.clone();
+    let body = br#"{"prompt": "w3", "max_tokens": 2}"#.to_vec();
+    let (st, e) = post_raw(&b, "/v1/completions", body.clone(), None).await;
+    assert_eq!(
+        (st, e["error"]["type"].as_str()),
+        (401, Some("authentication_error"))
+    );
+    assert_eq!(
+        post_raw(&b, "/v1/completions", body.clone(), Some("wrong"))
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        post_raw(&b, "/v1/completions", body.clone(), Some("sekret"))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        status(&format!("{b}/health")).await,
+        Some(200),
+        "/health needs no key"
+    );
+    // SIGTERM: exit 0.
+    let pid = s.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "server did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let full = Server::start("full", &["--max-waiting", "0"]).await;
+    let (st, e) = post(&full.base, "/v1/completions", json!({"prompt": "w3"})).await;
+    assert_eq!(st, 503, "{e}");
+}
