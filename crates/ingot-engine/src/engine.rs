@@ -51,6 +51,8 @@ pub struct SeqDelta {
     pub text: String,
     pub logprobs: Vec<TokenLogprobs>,
     pub finish_reason: Option<FinishReason>,
+    /// On a sequence's first delta: how long it waited from arrival to its first step.
+    pub queue_time: Option<Duration>,
 }
 
 /// A finished sample, as the offline API returns it.
@@ -82,6 +84,10 @@ struct SeqState {
     text: String,
     /// Bytes of `text` already sent.
     sent: usize,
+    arrival: Instant,
+    /// Set when the sequence first runs; reported with its first delta.
+    queue_time: Option<Duration>,
+    reported_queue_time: bool,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -231,6 +237,9 @@ impl<B: Backend> Engine<B> {
                     detok,
                     text: String::new(),
                     sent: 0,
+                    arrival: Instant::now(),
+                    queue_time: None,
+                    reported_queue_time: false,
                 },
             );
             let seq = Sequence::new(id, prompt.clone(), params.max_tokens);
@@ -314,6 +323,10 @@ impl<B: Backend> Engine<B> {
             return Ok(vec![]);
         }
         let (input, sampled) = self.step_input(&out);
+        for s in &out.seqs {
+            let st = self.seqs.get_mut(&s.id).expect("every sequence has state");
+            st.queue_time.get_or_insert_with(|| st.arrival.elapsed());
+        }
         let logits = self.runner.execute(&input)?;
         let ready = self.scheduler.commit(&out);
         debug_assert_eq!(ready, sampled);
@@ -380,6 +393,11 @@ impl<B: Backend> Engine<B> {
         }
         let text = st.text[st.sent..end].to_string();
         st.sent = end;
+        let queue_time = if std::mem::replace(&mut st.reported_queue_time, true) {
+            None
+        } else {
+            st.queue_time
+        };
         Ok(SeqDelta {
             request_id: st.request_id,
             index: st.index,
@@ -387,6 +405,7 @@ impl<B: Backend> Engine<B> {
             text,
             logprobs: logprobs.into_iter().collect(),
             finish_reason: finish,
+            queue_time,
         })
     }
 

@@ -282,7 +282,11 @@ impl Timing {
         }
     }
 
-    fn token(&mut self, m: &Metrics, n: usize) {
+    fn token(&mut self, m: &Metrics, d: &SeqDelta) {
+        if let Some(q) = d.queue_time {
+            m.queue_time.observe(q.as_secs_f64());
+        }
+        let n = d.token_ids.len();
         let now = Instant::now();
         match self.first {
             None => {
@@ -389,7 +393,7 @@ async fn collect(
             vec![(String::new(), vec![], None); job.n];
         while let Some(event) = sub.events.recv().await {
             let d = event.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))?;
-            timing.token(&state.metrics, d.token_ids.len());
+            timing.token(&state.metrics, &d);
             completion_tokens += d.token_ids.len();
             let s = &mut samples[d.index];
             s.0.push_str(&d.text);
@@ -482,7 +486,7 @@ struct Streaming {
 async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
     match s.sub.events.recv().await {
         Some(Ok(d)) => {
-            s.timing.token(&s.state.metrics, d.token_ids.len());
+            s.timing.token(&s.state.metrics, &d);
             s.completion_tokens
                 .fetch_add(d.token_ids.len() as u64, Ordering::Relaxed);
             let first = !std::mem::replace(&mut s.started[d.index], true);

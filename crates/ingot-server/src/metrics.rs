@@ -55,6 +55,7 @@ pub struct Metrics {
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     pub e2e_latency: Histogram,
+    pub queue_time: Histogram,
 }
 
 impl Metrics {
