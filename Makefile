@@ -3,7 +3,8 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test model build bench-cpu fixtures
+.PHONY: serve run test model build bench-cpu fixtures
+PORT ?= 8000
 
 model:
 	@scripts/fetch-test-model >/dev/null
@@ -11,15 +12,21 @@ model:
 build:
 	$(CARGO) build --release -p ingot
 
+# Fetch the default model if missing, build, and serve it (OpenAI API) on port 8000.
+serve: model build
+	./target/release/ingot serve --model "$$(scripts/fetch-test-model)" --served-model-name smollm2 --port $(PORT)
+
 # Fetch the default model if missing, build, and generate a short chat answer.
 run: model build
 	./target/release/ingot generate --model "$$(scripts/fetch-test-model)" --chat --prompt "$(PROMPT)" --max-tokens 64
 
-# Everything CI checks: formatting, lints, and the full test suite on the real model.
+# Everything CI checks: formatting, lints, the Rust tests, and the Python suite that drives
+# `ingot serve` with the official openai client (its venv lives in ~/.cache/ingot).
 test: model
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --all-features -- -D warnings
 	$(CARGO) test --workspace
+	cd tests/python && "$$(../../scripts/python-test-env)" -m pytest -q
 
 # Side-by-side CPU throughput with llama.cpp on the same GGUF (builds llama-bench once).
 bench-cpu: model build
