@@ -35,7 +35,7 @@ enum Command {
         prompt: Vec<u32>,
         params: Box<SamplingParams>,
         events: EventSender,
-        admitted: Sender<Result<()>>,
+        admitted: tokio::sync::oneshot::Sender<Result<()>>,
     },
     Abort(RequestId),
 }
@@ -63,6 +63,12 @@ impl Drop for Inner {
             let _ = t.join();
         }
     }
+}
+
+struct Admission {
+    id: RequestId,
+    events: Events,
+    ack: tokio::sync::oneshot::Receiver<Result<()>>,
 }
 
 struct Live {
@@ -116,15 +122,11 @@ impl EngineHandle {
         tx.send(cmd).map_err(|_| SubmitError::Stopped)
     }
 
-    /// Submits a request; admission errors (invalid parameters, too long) come back here.
-    pub fn add_request(
-        &self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<(RequestId, Events), SubmitError> {
+    /// Queues a request; the returned receiver answers whether it was admitted.
+    fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Admission, SubmitError> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tokio::sync::mpsc::unbounded_channel();
-        let (admitted, ack) = mpsc::channel();
+        let (admitted, ack) = tokio::sync::oneshot::channel();
         self.send(Command::Add {
             id,
             prompt,
@@ -132,10 +134,41 @@ impl EngineHandle {
             events,
             admitted,
         })?;
-        ack.recv()
+        Ok(Admission {
+            id,
+            events: rx,
+            ack,
+        })
+    }
+
+    /// Submits a request from a thread; admission errors (invalid parameters, too long)
+    /// come back here.
+    pub fn add_request(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(RequestId, Events), SubmitError> {
+        let a = self.submit(prompt, params)?;
+        a.ack
+            .blocking_recv()
             .map_err(|_| SubmitError::Stopped)?
             .map_err(SubmitError::Rejected)?;
-        Ok((id, rx))
+        Ok((a.id, a.events))
+    }
+
+    /// As [`add_request`](Self::add_request), awaiting admission without blocking the
+    /// async runtime while the engine finishes its current step.
+    pub async fn add_request_async(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(RequestId, Events), SubmitError> {
+        let a = self.submit(prompt, params)?;
+        a.ack
+            .await
+            .map_err(|_| SubmitError::Stopped)?
+            .map_err(SubmitError::Rejected)?;
+        Ok((a.id, a.events))
     }
 
     pub fn abort(&self, id: RequestId) {

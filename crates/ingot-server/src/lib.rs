@@ -225,7 +225,7 @@ struct Submitted {
 }
 
 /// Submits every prompt or none: on a rejection the ones already queued are aborted.
-fn submit(
+async fn submit(
     state: &AppState,
     prompts: Vec<Vec<u32>>,
     params: &SamplingParams,
@@ -240,7 +240,10 @@ fn submit(
     let mut out = vec![];
     let mut ids = vec![];
     for (prompt_index, prompt) in prompts.into_iter().enumerate() {
-        match engine.add_request(prompt.clone(), params.clone()) {
+        match engine
+            .add_request_async(prompt.clone(), params.clone())
+            .await
+        {
             Ok((id, events)) => {
                 ids.push(id);
                 out.push(Submitted {
@@ -597,7 +600,7 @@ async fn completions(
         echo,
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
     };
-    let subs = submit(&state, prompts, &params)?;
+    let subs = submit(&state, prompts, &params).await?;
     if req.stream.unwrap_or(false) {
         Ok(stream_job(state, job, subs).into_response())
     } else {
@@ -697,7 +700,7 @@ async fn chat_completions(
         echo: vec![],
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
     };
-    let subs = submit(&state, vec![prompt], &params)?;
+    let subs = submit(&state, vec![prompt], &params).await?;
     if req.stream.unwrap_or(false) {
         Ok(stream_job(state, job, subs).into_response())
     } else {
