@@ -356,6 +356,20 @@ async fn api_key_queue_limit_and_graceful_shutdown() {
             .0,
         200
     );
+    let chat = br#"{"messages": [{"role": "user", "content": "w3"}], "max_tokens": 2}"#.to_vec();
+    assert_eq!(
+        post_raw(&b, "/v1/chat/completions", chat.clone(), None)
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        post_raw(&b, "/v1/chat/completions", chat, Some("sekret"))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(status(&format!("{b}/v1/models")).await, Some(401));
     assert_eq!(
         status(&format!("{b}/health")).await,
         Some(200),
