@@ -151,8 +151,7 @@ async fn tokenize(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let engine = state.engine()?;
-    let v: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let v = protocol::parse_json(&body)?;
     let prompt = v
         .get("prompt")
         .and_then(Value::as_str)
@@ -175,8 +174,7 @@ async fn detokenize(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let engine = state.engine()?;
-    let v: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let v = protocol::parse_json(&body)?;
     let tokens: Vec<u32> = v
         .get("tokens")
         .and_then(|t| serde_json::from_value(t.clone()).ok())

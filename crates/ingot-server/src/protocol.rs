@@ -198,11 +198,16 @@ pub const CHAT_FIELDS: &[&str] = &[
     "user",
 ];
 
+/// Parses any JSON body; malformed JSON is a 400.
+pub fn parse_json(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))
+}
+
 /// Parses a JSON object body whose fields must be in `fields` or the sampling fields;
 /// errors are 400s that name the field.
 pub fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], fields: &[&str]) -> Result<T, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let value = parse_json(body)?;
     let obj = value
         .as_object()
         .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
