@@ -220,6 +220,8 @@ struct Submitted {
     prompt_index: usize,
     prompt: Vec<u32>,
     events: Events,
+    /// Started when the prompt was submitted.
+    timing: Timing,
 }
 
 /// Submits every prompt or none: on a rejection the ones already queued are aborted.
@@ -244,10 +246,15 @@ async fn submit(
         {
             Ok((id, events)) => {
                 ids.push(id);
+                state
+                    .metrics
+                    .prompt_tokens
+                    .fetch_add(prompt.len() as u64, Ordering::Relaxed);
                 out.push(Submitted {
                     prompt_index,
                     prompt,
                     events,
+                    timing: Timing::new(),
                 });
             }
             Err(e) => {
@@ -326,6 +333,17 @@ enum Kind {
     Chat,
 }
 
+impl Kind {
+    /// The `object` field of a response, or of a streamed chunk.
+    fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+}
+
 struct Job {
     id: String,
     kind: Kind,
@@ -385,16 +403,11 @@ async fn collect(
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
     for mut sub in subs {
         prompt_tokens += sub.prompt.len();
-        state
-            .metrics
-            .prompt_tokens
-            .fetch_add(sub.prompt.len() as u64, Ordering::Relaxed);
-        let mut timing = Timing::new();
         let mut samples: Vec<(String, Vec<TokenLogprobs>, Option<String>)> =
             vec![(String::new(), vec![], None); job.n];
         while let Some(event) = sub.events.recv().await {
             let d = event.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))?;
-            timing.token(&state.metrics, &d);
+            sub.timing.token(&state.metrics, &d);
             completion_tokens += d.token_ids.len();
             let s = &mut samples[d.index];
             s.0.push_str(&d.text);
@@ -403,7 +416,7 @@ async fn collect(
                 s.2 = Some(finish_name(f));
             }
         }
-        timing.finish(&state.metrics, &job.id, sub.prompt.len());
+        sub.timing.finish(&state.metrics, &job.id, sub.prompt.len());
         for (i, (text, lps, finish)) in samples.into_iter().enumerate() {
             let index = sub.prompt_index * job.n + i;
             let logprobs = logprobs_json(&state, job.kind, &lps);
@@ -421,13 +434,9 @@ async fn collect(
             });
         }
     }
-    let object = match job.kind {
-        Kind::Completion => "text_completion",
-        Kind::Chat => "chat.completion",
-    };
     Ok(Json(json!({
         "id": job.id,
-        "object": object,
+        "object": job.kind.object(false),
         "created": now(),
         "model": job.model,
         "choices": choices,
@@ -455,7 +464,7 @@ fn chunk(state: &AppState, job: &Job, prompt_index: usize, d: &SeqDelta, first: 
                 ""
             };
             json!({
-                "id": job.id, "object": "text_completion", "created": now(), "model": job.model,
+                "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
                 "choices": [{"index": index, "text": format!("{echo}{}", d.text), "logprobs": logprobs, "finish_reason": finish}],
             })
         }
@@ -466,7 +475,7 @@ fn chunk(state: &AppState, job: &Job, prompt_index: usize, d: &SeqDelta, first: 
                 json!({"content": d.text})
             };
             json!({
-                "id": job.id, "object": "chat.completion.chunk", "created": now(), "model": job.model,
+                "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
             })
         }
@@ -478,7 +487,6 @@ struct Streaming {
     state: Arc<AppState>,
     job: Arc<Job>,
     sub: Submitted,
-    timing: Timing,
     /// Samples whose first chunk went out.
     started: Vec<bool>,
     completion_tokens: Arc<AtomicU64>,
@@ -487,7 +495,7 @@ struct Streaming {
 async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
     match s.sub.events.recv().await {
         Some(Ok(d)) => {
-            s.timing.token(&s.state.metrics, &d);
+            s.sub.timing.token(&s.state.metrics, &d);
             s.completion_tokens
                 .fetch_add(d.token_ids.len() as u64, Ordering::Relaxed);
             let first = !std::mem::replace(&mut s.started[d.index], true);
@@ -499,7 +507,8 @@ async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
             Some((v, s))
         }
         None => {
-            s.timing
+            s.sub
+                .timing
                 .finish(&s.state.metrics, &s.job.id, s.sub.prompt.len());
             None
         }
@@ -514,10 +523,6 @@ fn stream_job(
     subs: Vec<Submitted>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let prompt_tokens: usize = subs.iter().map(|s| s.prompt.len()).sum();
-    state
-        .metrics
-        .prompt_tokens
-        .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
     let job = Arc::new(job);
     let completion_tokens = Arc::new(AtomicU64::new(0));
     let per_prompt = subs.into_iter().map(|sub| {
@@ -525,7 +530,6 @@ fn stream_job(
             state: state.clone(),
             job: job.clone(),
             sub,
-            timing: Timing::new(),
             started: vec![false; job.n],
             completion_tokens: completion_tokens.clone(),
         };
@@ -535,12 +539,8 @@ fn stream_job(
     let tail = stream::once(async move {
         let mut events = vec![];
         if job.include_usage {
-            let object = match job.kind {
-                Kind::Completion => "text_completion",
-                Kind::Chat => "chat.completion.chunk",
-            };
             let usage = usage(prompt_tokens, completion_tokens.load(Ordering::Relaxed) as usize);
-            let v = json!({"id": job.id, "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
+            let v = json!({"id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model, "choices": [], "usage": usage});
             events.push(Ok(SseEvent::default().data(v.to_string())));
         }
         events.push(Ok(SseEvent::default().data("[DONE]")));
