@@ -84,10 +84,10 @@ struct SeqState {
     text: String,
     /// Bytes of `text` already sent.
     sent: usize,
-    arrival: Instant,
-    /// Set when the sequence first runs; reported with its first delta.
+    /// Taken when the sequence first runs, which sets `queue_time`.
+    arrival: Option<Instant>,
+    /// Taken by the sequence's first delta.
     queue_time: Option<Duration>,
-    reported_queue_time: bool,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -237,9 +237,8 @@ impl<B: Backend> Engine<B> {
                     detok,
                     text: String::new(),
                     sent: 0,
-                    arrival: Instant::now(),
+                    arrival: Some(Instant::now()),
                     queue_time: None,
-                    reported_queue_time: false,
                 },
             );
             let seq = Sequence::new(id, prompt.clone(), params.max_tokens);
@@ -325,7 +324,9 @@ impl<B: Backend> Engine<B> {
         let (input, sampled) = self.step_input(&out);
         for s in &out.seqs {
             let st = self.seqs.get_mut(&s.id).expect("every sequence has state");
-            st.queue_time.get_or_insert_with(|| st.arrival.elapsed());
+            if let Some(arrival) = st.arrival.take() {
+                st.queue_time = Some(arrival.elapsed());
+            }
         }
         let logits = self.runner.execute(&input)?;
         let ready = self.scheduler.commit(&out);
@@ -363,7 +364,7 @@ impl<B: Backend> Engine<B> {
         let p = st.sampler.params();
         let n = seq.num_output();
         let mut finish = None;
-        if n > p.min_tokens.max(1) - 1 && st.sampler.is_stop_token(token) {
+        if n >= p.min_tokens && st.sampler.is_stop_token(token) {
             finish = Some(FinishReason::Stop);
         } else {
             let before = st.text.len();
@@ -393,11 +394,6 @@ impl<B: Backend> Engine<B> {
         }
         let text = st.text[st.sent..end].to_string();
         st.sent = end;
-        let queue_time = if std::mem::replace(&mut st.reported_queue_time, true) {
-            None
-        } else {
-            st.queue_time
-        };
         Ok(SeqDelta {
             request_id: st.request_id,
             index: st.index,
@@ -405,7 +401,7 @@ impl<B: Backend> Engine<B> {
             text,
             logprobs: logprobs.into_iter().collect(),
             finish_reason: finish,
-            queue_time,
+            queue_time: st.queue_time.take(),
         })
     }
 

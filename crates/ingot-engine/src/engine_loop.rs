@@ -149,11 +149,8 @@ impl EngineHandle {
         params: SamplingParams,
     ) -> Result<(RequestId, Events), SubmitError> {
         let a = self.submit(prompt, params)?;
-        a.ack
-            .blocking_recv()
-            .map_err(|_| SubmitError::Stopped)?
-            .map_err(SubmitError::Rejected)?;
-        Ok((a.id, a.events))
+        let reply = a.ack.blocking_recv();
+        admitted(a.id, a.events, reply)
     }
 
     /// As [`add_request`](Self::add_request), awaiting admission without blocking the
@@ -164,17 +161,26 @@ impl EngineHandle {
         params: SamplingParams,
     ) -> Result<(RequestId, Events), SubmitError> {
         let a = self.submit(prompt, params)?;
-        a.ack
-            .await
-            .map_err(|_| SubmitError::Stopped)?
-            .map_err(SubmitError::Rejected)?;
-        Ok((a.id, a.events))
+        let reply = a.ack.await;
+        admitted(a.id, a.events, reply)
     }
 
     pub fn abort(&self, id: RequestId) {
         // A stopped engine has nothing left to abort.
         let _ = self.send(Command::Abort(id));
     }
+}
+
+/// The engine's answer to an `Add`: the request's channel, or why it was not taken.
+fn admitted(
+    id: RequestId,
+    events: Events,
+    reply: Result<Result<()>, tokio::sync::oneshot::error::RecvError>,
+) -> Result<(RequestId, Events), SubmitError> {
+    reply
+        .map_err(|_| SubmitError::Stopped)?
+        .map_err(SubmitError::Rejected)?;
+    Ok((id, events))
 }
 
 fn handle<B: Backend>(engine: &mut Engine<B>, live: &mut HashMap<RequestId, Live>, cmd: Command) {
