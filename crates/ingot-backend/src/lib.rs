@@ -6,6 +6,8 @@
 //! "run now", which keeps it a plain reference for the GPU backends.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 pub mod quant;
 
@@ -55,6 +57,8 @@ pub struct AttentionMetadata<'a, B: Backend + ?Sized> {
     pub block_tables: &'a B::Buffer,
     pub num_seqs: usize,
     pub max_blocks_per_seq: usize,
+    /// The most query tokens of one sequence in this step (1 in a decode-only step).
+    pub max_query_len: usize,
 }
 
 /// A matmul's destination: row `i` of the product goes to
@@ -65,14 +69,39 @@ pub struct MatmulOut<'a, B: Backend + ?Sized> {
     pub col_offset: usize,
 }
 
+/// Device memory as the backend sees it, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryInfo {
+    pub free: usize,
+    pub total: usize,
+}
+
 /// A compute device: buffers plus the ops of a transformer step.
 ///
-/// Shapes are given in elements. Activations are f32; weights may be any [`DType`].
-/// Ops panic on shape or dtype mismatches: those are programming errors, not input errors.
+/// Shapes are given in elements. Activations (and the KV cache) are in the dtype the
+/// backend picks with [`Backend::activation_dtype`]; weights may be any [`DType`] the
+/// backend keeps ([`Backend::weight_dtype`]); norm weights, biases and the RoPE table are
+/// f32. Every op accumulates in f32. Ops panic on shape or dtype mismatches: those are
+/// programming errors, not input errors.
 pub trait Backend: Send + Sync {
     type Buffer: Send + Sync;
 
     fn name(&self) -> String;
+
+    /// The dtype activations run in when the model's matrices are `weights`.
+    fn activation_dtype(&self, weights: DType) -> DType;
+
+    /// The dtype a matrix stored as `stored` is kept in when activations are `activation`:
+    /// the CPU keeps every format; a GPU converts what it has no kernels for at load.
+    fn weight_dtype(&self, stored: DType, activation: DType) -> DType;
+
+    /// Whether the KV cache may be kept in `dtype`.
+    fn supports_kv_cache_dtype(&self, dtype: DType) -> bool;
+
+    /// Free and total device memory, for backends whose memory is their own (GPUs).
+    fn memory_info(&self) -> Option<MemoryInfo> {
+        None
+    }
 
     fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<Self::Buffer>;
     /// Copies raw bytes in the buffer's own layout into the start of `dst`.
@@ -109,7 +138,22 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buffer,
     );
 
-    /// `out = x · wᵀ (+ bias)`: `x` is `[m, k]` f32, `w` is `[n, k]` of any dtype.
+    /// `residual += x`, then `out = rms_norm(residual) * weight`: the residual connection
+    /// and the next norm in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Buffer,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut Self::Buffer,
+    );
+
+    /// `out = x · wᵀ (+ bias)`: `x` is `[m, k]` activations, `w` is `[n, k]`; `out` is in
+    /// the activation dtype or f32 (logits).
     #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
@@ -165,8 +209,15 @@ pub trait Backend: Send + Sync {
         v_cache: &mut Self::Buffer,
     );
 
+    /// f32 elements of scratch [`Backend::paged_attention`] needs for steps of up to
+    /// `max_seqs` sequences (split-context partial results on GPUs).
+    fn attention_workspace_len(&self, _layout: QkvLayout, _max_seqs: usize) -> usize {
+        0
+    }
+
     /// Causal attention of every query token over its sequence's paged context.
-    /// `out` is `[rows, num_heads * head_dim]`.
+    /// `out` is `[rows, num_heads * head_dim]`; `workspace` holds
+    /// [`Backend::attention_workspace_len`] f32 elements.
     #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         &self,
@@ -178,6 +229,7 @@ pub trait Backend: Send + Sync {
         k_cache: &Self::Buffer,
         v_cache: &Self::Buffer,
         scale: f32,
+        workspace: &mut Self::Buffer,
         out: &mut Self::Buffer,
     );
 

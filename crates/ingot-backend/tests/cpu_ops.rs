@@ -277,6 +277,35 @@ fn rms_norm_matches_naive() {
 }
 
 #[test]
+fn add_rms_norm_is_the_add_then_the_norm() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(7);
+    let (rows, dim) = (3, 577);
+    let (r, x, w) = (
+        randn(&mut rng, rows * dim),
+        randn(&mut rng, rows * dim),
+        randn(&mut rng, dim),
+    );
+    let mut residual = f32_buf(&b, &r);
+    let mut out = b.alloc(DType::F32, rows * dim).unwrap();
+    let (xb, wb) = (f32_buf(&b, &x), f32_buf(&b, &w));
+    b.add_rms_norm(&mut residual, &xb, &wb, 1e-6, rows, dim, &mut out);
+    let mut sum = f32_buf(&b, &r);
+    b.add_assign(&mut sum, &xb, rows * dim);
+    let mut want = b.alloc(DType::F32, rows * dim).unwrap();
+    b.rms_norm(&sum, &wb, 1e-6, rows, dim, &mut want);
+    let n = rows * dim;
+    assert_eq!(
+        b.download_f32(&residual, n).unwrap(),
+        b.download_f32(&sum, n).unwrap()
+    );
+    assert_eq!(
+        b.download_f32(&out, n).unwrap(),
+        b.download_f32(&want, n).unwrap()
+    );
+}
+
+#[test]
 fn silu_mul_add_and_gather_match_naive() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(4);
@@ -521,10 +550,16 @@ fn paged_attention_matches_dense_causal_attention_on_mixed_batches() {
             block_tables: &tb,
             num_seqs: seqs.len(),
             max_blocks_per_seq: max_blocks,
+            max_query_len: seqs.iter().map(|s| s.new).max().unwrap(),
         };
         let mut out = b.alloc(DType::F32, rows * layout.q_len()).unwrap();
         let scale = 1.0 / (hd as f32).sqrt();
-        b.paged_attention(&qkvb, layout, rows, &meta, cache, &kc, &vc, scale, &mut out);
+        let mut ws = b
+            .alloc(DType::F32, b.attention_workspace_len(layout, seqs.len()))
+            .unwrap();
+        b.paged_attention(
+            &qkvb, layout, rows, &meta, cache, &kc, &vc, scale, &mut ws, &mut out,
+        );
         let got = b.download_f32(&out, rows * layout.q_len()).unwrap();
 
         let group = layout.num_heads / layout.num_kv_heads;

@@ -4,11 +4,11 @@ use crate::detokenizer::Detokenizer;
 use crate::runner::{ModelRunner, RunnerConfig, StepInput};
 use crate::sampler::{Sampler, TokenLogprobs};
 use anyhow::{bail, Result};
-use ingot_backend::Backend;
+use ingot_backend::{Backend, DType};
 use ingot_core::{
     FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
 };
-use ingot_model::{KvCache, Model, Tokenizer};
+use ingot_model::{Activations, KvCache, Model, Tokenizer};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,6 +25,11 @@ pub struct EngineConfig {
     /// Bytes for the KV cache; defaults to a quarter of the available memory, capped at
     /// what `max_num_seqs` sequences of `max_model_len` tokens can use.
     pub kv_cache_memory: Option<usize>,
+    /// The KV cache's element type; `None` is the model's activation dtype.
+    pub kv_cache_dtype: Option<DType>,
+    /// On a GPU, the share of its memory ingot may take; the KV cache gets what the
+    /// weights and activations leave of it.
+    pub gpu_memory_utilization: f64,
     pub prefix_caching: bool,
 }
 
@@ -36,6 +41,8 @@ impl Default for EngineConfig {
             max_model_len: None,
             block_size: 16,
             kv_cache_memory: None,
+            kv_cache_dtype: None,
+            gpu_memory_utilization: 0.9,
             prefix_caching: true,
         }
     }
@@ -90,6 +97,13 @@ struct SeqState {
     queue_time: Option<Duration>,
 }
 
+/// What the last step ran: prompt tokens (including recomputed ones) and decode tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepInfo {
+    pub prefill_tokens: usize,
+    pub decode_tokens: usize,
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineStats {
     pub num_running: usize,
@@ -112,6 +126,11 @@ pub struct Engine<B: Backend> {
     next_seq: SeqId,
     /// Ids for `generate`'s requests, kept apart from callers' ids.
     next_offline_request: RequestId,
+    last_step: StepInfo,
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 fn available_memory() -> Option<usize> {
@@ -140,15 +159,50 @@ impl<B: Backend> Engine<B> {
         {
             bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
         }
-        let block_bytes = KvCache::<B>::block_bytes(cfg, config.block_size);
+        let activation = model.weights.activation_dtype;
+        let kv_dtype = config.kv_cache_dtype.unwrap_or(activation);
+        if !backend.supports_kv_cache_dtype(kv_dtype) {
+            bail!(
+                "--kv-cache-dtype {kv_dtype} is not supported on {}",
+                backend.name()
+            );
+        }
+        if !(config.gpu_memory_utilization > 0.0 && config.gpu_memory_utilization <= 1.0) {
+            bail!("--gpu-memory-utilization must be in (0, 1]");
+        }
+        let block_bytes = KvCache::<B>::block_bytes(cfg, config.block_size, kv_dtype);
         let useful = config.max_num_seqs * max_model_len.div_ceil(config.block_size);
-        let num_blocks = match config.kv_cache_memory {
-            Some(bytes) => bytes / block_bytes,
-            None => (available_memory().unwrap_or(4 << 30) / 4 / block_bytes).min(useful),
+        let num_blocks = match (config.kv_cache_memory, backend.memory_info()) {
+            (Some(bytes), _) => bytes / block_bytes,
+            (None, Some(mem)) => {
+                // What is held already (weights, the context, library workspaces) and the
+                // activations still to come are taken from the share first; the headroom
+                // covers CUDA graphs and allocator rounding.
+                let share = (mem.total as f64 * config.gpu_memory_utilization) as usize;
+                let acts = Activations::<B>::bytes_needed(
+                    &backend,
+                    cfg,
+                    activation,
+                    config.max_num_batched_tokens,
+                    config.max_num_seqs,
+                    max_model_len,
+                );
+                let headroom = 256 << 20;
+                let left = share.saturating_sub(mem.total - mem.free + acts + headroom);
+                tracing::info!(
+                    "device memory: {:.1} GiB total, {:.1} GiB free; {:.0}% share leaves {:.1} GiB for the KV cache",
+                    gib(mem.total),
+                    gib(mem.free),
+                    config.gpu_memory_utilization * 100.0,
+                    gib(left)
+                );
+                left / block_bytes
+            }
+            (None, None) => (available_memory().unwrap_or(4 << 30) / 4 / block_bytes).min(useful),
         };
         let min_blocks = max_model_len.div_ceil(config.block_size).min(useful);
         if num_blocks == 0 {
-            bail!("--kv-cache-memory holds no block ({block_bytes} bytes each)");
+            bail!("no memory is left for one KV cache block ({block_bytes} bytes): raise --kv-cache-memory or --gpu-memory-utilization, or lower --max-num-batched-tokens");
         }
         if num_blocks < min_blocks {
             tracing::warn!("the KV cache holds {num_blocks} blocks: a sequence of max_model_len {max_model_len} tokens needs {min_blocks}");
@@ -162,6 +216,7 @@ impl<B: Backend> Engine<B> {
                 max_model_len,
                 block_size: config.block_size,
                 num_blocks,
+                kv_cache_dtype: kv_dtype,
             },
         )?;
         let scheduler = Scheduler::new(SchedulerConfig {
@@ -180,6 +235,7 @@ impl<B: Backend> Engine<B> {
             siblings: HashMap::new(),
             next_seq: 0,
             next_offline_request: 1 << 63,
+            last_step: StepInfo::default(),
         })
     }
 
@@ -189,6 +245,10 @@ impl<B: Backend> Engine<B> {
 
     pub fn max_model_len(&self) -> usize {
         self.scheduler.config.max_model_len
+    }
+
+    pub fn last_step(&self) -> StepInfo {
+        self.last_step
     }
 
     pub fn has_work(&self) -> bool {
@@ -322,6 +382,15 @@ impl<B: Backend> Engine<B> {
             return Ok(vec![]);
         }
         let (input, sampled) = self.step_input(&out);
+        self.last_step = StepInfo::default();
+        for s in &out.seqs {
+            let seq = self.scheduler.get(s.id).expect("scheduled sequences run");
+            if s.len == 1 && s.start + 1 == seq.tokens.len() && seq.num_output() > 0 {
+                self.last_step.decode_tokens += 1;
+            } else {
+                self.last_step.prefill_tokens += s.len;
+            }
+        }
         for s in &out.seqs {
             let st = self.seqs.get_mut(&s.id).expect("every sequence has state");
             if let Some(arrival) = st.arrival.take() {

@@ -9,7 +9,7 @@ pub mod runner;
 pub mod sampler;
 
 pub use engine::{
-    Completion, Engine, EngineConfig, EngineStats, RequestId, RequestOutput, SeqDelta,
+    Completion, Engine, EngineConfig, EngineStats, RequestId, RequestOutput, SeqDelta, StepInfo,
 };
 pub use engine_loop::{EngineHandle, Event, Events, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};

@@ -32,6 +32,7 @@ pub struct RunnerConfig {
     pub max_model_len: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    pub kv_cache_dtype: DType,
 }
 
 pub struct ModelRunner<B: Backend> {
@@ -63,6 +64,7 @@ impl<B: Backend> ModelRunner<B> {
         let acts = Activations::new(
             b,
             cfg,
+            model.weights.activation_dtype,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.max_model_len,
@@ -74,6 +76,7 @@ impl<B: Backend> ModelRunner<B> {
                 num_blocks: config.num_blocks,
                 block_size: config.block_size,
             },
+            config.kv_cache_dtype,
         )?;
         let t = config.max_num_batched_tokens;
         let s = config.max_num_seqs;
@@ -88,14 +91,17 @@ impl<B: Backend> ModelRunner<B> {
             num_tokens: 0,
             num_seqs: 0,
             max_blocks_per_seq: max_blocks,
+            max_query_len: 0,
             num_logits: 0,
         };
         tracing::info!(
-            "runner on {}: KV cache {} blocks x {} tokens ({:.1} MiB), activations for {} tokens ({:.1} MiB)",
+            "runner on {}: KV cache {} blocks x {} tokens in {} ({:.1} MiB), {} activations for {} tokens ({:.1} MiB)",
             backend.name(),
             config.num_blocks,
             config.block_size,
+            config.kv_cache_dtype,
             kv.bytes as f64 / (1 << 20) as f64,
+            model.weights.activation_dtype,
             t,
             acts.bytes as f64 / (1 << 20) as f64
         );
@@ -135,6 +141,10 @@ impl<B: Backend> ModelRunner<B> {
         ensure!(
             input.query_start_loc.len() == s + 1 && input.query_start_loc[s] as usize == n,
             "query_start_loc does not cover the tokens"
+        );
+        ensure!(
+            input.query_start_loc[0] == 0 && input.query_start_loc.windows(2).all(|w| w[0] < w[1]),
+            "query_start_loc must rise from 0, one token or more per sequence"
         );
         ensure!(
             input.max_blocks_per_seq <= self.step.max_blocks_per_seq,
@@ -194,6 +204,12 @@ impl<B: Backend> ModelRunner<B> {
         upload_u32(b, &mut st.logits_indices, &input.logits_indices)?;
         st.num_tokens = n;
         st.num_seqs = s;
+        st.max_query_len = input
+            .query_start_loc
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0);
         st.num_logits = input.logits_indices.len();
         let (model, acts, kv) = (&self.model, &mut self.acts, &mut self.kv);
         b.run_step(|| model.forward(b, st, acts, kv));

@@ -26,6 +26,7 @@ fn config(budget: usize, kv_blocks: usize, prefix_caching: bool) -> EngineConfig
         block_size: 16,
         kv_cache_memory: Some(kv_blocks * block_bytes),
         prefix_caching,
+        ..EngineConfig::default()
     }
 }
 

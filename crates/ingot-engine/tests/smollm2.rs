@@ -3,63 +3,10 @@
 
 mod common;
 
+use common::{cases, top_ids};
 use ingot_model::reference::ReferenceModel;
-use ingot_model::testing::{fixtures_dir, test_model_path};
+use ingot_model::testing::test_model_path;
 use ingot_model::{Checkpoint, WeightDType};
-use serde_json::Value;
-
-struct Case {
-    name: String,
-    prompt: Vec<u32>,
-    greedy: Vec<u32>,
-    top5: Vec<Vec<(u32, f32)>>,
-}
-
-fn cases() -> Vec<Case> {
-    let v: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("logits.json")).unwrap())
-            .unwrap();
-    let ids = |v: &Value| {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect::<Vec<_>>()
-    };
-    v["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap().into(),
-            prompt: ids(&c["prompt_ids"]),
-            greedy: ids(&c["greedy_ids"]),
-            top5: c["top5"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|step| {
-                    step.as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
-                        .collect()
-                })
-                .collect(),
-        })
-        .collect()
-}
-
-fn top_ids(logits: &[f32], k: usize) -> Vec<u32> {
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    idx.sort_by(|&a, &b| {
-        logits[b as usize]
-            .total_cmp(&logits[a as usize])
-            .then(a.cmp(&b))
-    });
-    idx.truncate(k);
-    idx
-}
 
 fn runner(dtype: WeightDType) -> Option<ingot_engine::ModelRunner<ingot_backend::cpu::CpuBackend>> {
     let path = test_model_path()?;

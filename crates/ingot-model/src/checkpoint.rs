@@ -124,6 +124,12 @@ pub enum Checkpoint {
         path: PathBuf,
         file: GgufFile,
     },
+    /// `--load-format dummy`: random weights at the shapes of an HF `config.json`.
+    Dummy {
+        dir: PathBuf,
+        config: ModelConfig,
+        dtype: DType,
+    },
 }
 
 impl Checkpoint {
@@ -213,9 +219,34 @@ impl Checkpoint {
         })
     }
 
+    /// Random weights, seeded and reproducible, at the shapes of `dir/config.json` and in
+    /// its `torch_dtype` (bf16 when it names none): for benchmarks without downloads.
+    pub fn dummy(dir: &Path) -> Result<Checkpoint> {
+        let p = dir.join("config.json");
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+        let config = ModelConfig::from_hf_json(&text)?;
+        let v: serde_json::Value = serde_json::from_str(&text)?;
+        let dtype = match v
+            .get("torch_dtype")
+            .or_else(|| v.get("dtype"))
+            .and_then(|d| d.as_str())
+        {
+            None | Some("bfloat16") => DType::BF16,
+            Some("float16") => DType::F16,
+            Some("float32") => DType::F32,
+            Some(other) => bail!("{}: torch_dtype `{other}` is not supported", p.display()),
+        };
+        Ok(Checkpoint::Dummy {
+            dir: dir.to_path_buf(),
+            config,
+            dtype,
+        })
+    }
+
     pub fn path(&self) -> &Path {
         match self {
-            Checkpoint::Safetensors { dir, .. } => dir,
+            Checkpoint::Safetensors { dir, .. } | Checkpoint::Dummy { dir, .. } => dir,
             Checkpoint::Gguf { path, .. } => path,
         }
     }
@@ -229,6 +260,7 @@ impl Checkpoint {
                 ModelConfig::from_hf_json(&text)
             }
             Checkpoint::Gguf { file, .. } => gguf_config(file),
+            Checkpoint::Dummy { config, .. } => Ok(config.clone()),
         }
     }
 
@@ -288,6 +320,7 @@ impl Checkpoint {
                 }
                 Ok(Some(t))
             }
+            Checkpoint::Dummy { dtype, .. } => Ok(crate::dummy::tensor(role, layer, cfg, *dtype)),
         }
     }
 
@@ -296,6 +329,7 @@ impl Checkpoint {
         match self {
             Checkpoint::Safetensors { entries, .. } => entries.len(),
             Checkpoint::Gguf { file, .. } => file.tensors.len(),
+            Checkpoint::Dummy { config, .. } => crate::dummy::tensor_count(config),
         }
     }
 }

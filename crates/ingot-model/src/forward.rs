@@ -19,10 +19,12 @@ pub struct StepBuffers<B: Backend> {
     pub num_tokens: usize,
     pub num_seqs: usize,
     pub max_blocks_per_seq: usize,
+    pub max_query_len: usize,
     pub num_logits: usize,
 }
 
-/// Every intermediate of a step, sized once from the token budget.
+/// Every intermediate of a step, sized once from the token budget: in the model's
+/// activation dtype, but for the f32 logits and RoPE table.
 pub struct Activations<B: Backend> {
     hidden: B::Buffer,
     normed: B::Buffer,
@@ -33,6 +35,7 @@ pub struct Activations<B: Backend> {
     act: B::Buffer,
     last: B::Buffer,
     last_normed: B::Buffer,
+    attn_workspace: B::Buffer,
     pub logits: B::Buffer,
     cos_sin: B::Buffer,
     pub max_tokens: usize,
@@ -42,18 +45,11 @@ pub struct Activations<B: Backend> {
 }
 
 impl<B: Backend> Activations<B> {
-    /// Buffers for steps of up to `max_tokens` tokens, `max_logits` sampled rows and
-    /// positions below `max_positions`.
-    pub fn new(
-        b: &B,
-        cfg: &ModelConfig,
-        max_tokens: usize,
-        max_logits: usize,
-        max_positions: usize,
-    ) -> Result<Self> {
+    /// Element counts of the activation-dtype buffers, in field order.
+    fn sizes(cfg: &ModelConfig, max_tokens: usize, max_logits: usize) -> [usize; 9] {
         let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
         let qkv_len = cfg.q_size() + 2 * cfg.kv_size();
-        let sizes = [
+        [
             max_tokens * d,
             max_tokens * d,
             max_tokens * d,
@@ -63,13 +59,53 @@ impl<B: Backend> Activations<B> {
             max_tokens * f,
             max_logits * d,
             max_logits * d,
-            max_logits * cfg.vocab_size,
-        ];
-        let mut bufs = sizes
+        ]
+    }
+
+    fn layout(cfg: &ModelConfig) -> QkvLayout {
+        QkvLayout {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        }
+    }
+
+    /// Bytes [`Activations::new`] allocates, known before it runs (to size the KV cache).
+    pub fn bytes_needed(
+        b: &B,
+        cfg: &ModelConfig,
+        dtype: DType,
+        max_tokens: usize,
+        max_logits: usize,
+        max_positions: usize,
+    ) -> usize {
+        let acts: usize = Self::sizes(cfg, max_tokens, max_logits).iter().sum();
+        let f32s = max_logits * cfg.vocab_size
+            + max_positions * cfg.head_dim
+            + b.attention_workspace_len(Self::layout(cfg), max_logits);
+        dtype.bytes_for(acts) + 4 * f32s
+    }
+
+    /// Buffers of `dtype` for steps of up to `max_tokens` tokens, `max_logits` sampled
+    /// rows (at most one per sequence) and positions below `max_positions`.
+    pub fn new(
+        b: &B,
+        cfg: &ModelConfig,
+        dtype: DType,
+        max_tokens: usize,
+        max_logits: usize,
+        max_positions: usize,
+    ) -> Result<Self> {
+        let mut bufs = Self::sizes(cfg, max_tokens, max_logits)
             .iter()
-            .map(|&n| b.alloc(DType::F32, n))
+            .map(|&n| b.alloc(dtype, n))
             .collect::<Result<Vec<_>>>()?
             .into_iter();
+        let logits = b.alloc(DType::F32, max_logits * cfg.vocab_size)?;
+        let attn_workspace = b.alloc(
+            DType::F32,
+            b.attention_workspace_len(Self::layout(cfg), max_logits),
+        )?;
         let mut cos_sin = b.alloc(DType::F32, max_positions * cfg.head_dim)?;
         b.upload(
             &mut cos_sin,
@@ -86,40 +122,43 @@ impl<B: Backend> Activations<B> {
             act: next(),
             last: next(),
             last_normed: next(),
-            logits: next(),
+            attn_workspace,
+            logits,
             cos_sin,
             max_tokens,
             max_logits,
             max_positions,
-            bytes: 4 * (sizes.iter().sum::<usize>() + max_positions * cfg.head_dim),
+            bytes: Self::bytes_needed(b, cfg, dtype, max_tokens, max_logits, max_positions),
         })
     }
 }
 
 /// The paged KV cache: per layer a key and a value buffer of
-/// `[num_blocks, block_size, num_kv_heads, head_dim]`.
+/// `[num_blocks, block_size, num_kv_heads, head_dim]` in `dtype`.
 pub struct KvCache<B: Backend> {
     pub layers: Vec<(B::Buffer, B::Buffer)>,
     pub layout: CacheLayout,
+    pub dtype: DType,
     pub bytes: usize,
 }
 
 impl<B: Backend> KvCache<B> {
-    pub fn new(b: &B, cfg: &ModelConfig, layout: CacheLayout) -> Result<Self> {
+    pub fn new(b: &B, cfg: &ModelConfig, layout: CacheLayout, dtype: DType) -> Result<Self> {
         let numel = layout.num_blocks * layout.block_size * cfg.kv_size();
         let layers = (0..cfg.num_layers)
-            .map(|_| Ok((b.alloc(DType::F32, numel)?, b.alloc(DType::F32, numel)?)))
+            .map(|_| Ok((b.alloc(dtype, numel)?, b.alloc(dtype, numel)?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache {
             layers,
             layout,
-            bytes: 2 * 4 * numel * cfg.num_layers,
+            dtype,
+            bytes: layout.num_blocks * Self::block_bytes(cfg, layout.block_size, dtype),
         })
     }
 
-    /// Bytes one block takes across all layers (keys and values, f32).
-    pub fn block_bytes(cfg: &ModelConfig, block_size: usize) -> usize {
-        2 * 4 * block_size * cfg.kv_size() * cfg.num_layers
+    /// Bytes one block takes across all layers (keys and values).
+    pub fn block_bytes(cfg: &ModelConfig, block_size: usize, dtype: DType) -> usize {
+        2 * dtype.bytes_for(block_size * cfg.kv_size()) * cfg.num_layers
     }
 }
 
@@ -146,30 +185,21 @@ impl<B: Backend> Model<B> {
             t <= acts.max_tokens && step.num_logits <= acts.max_logits,
             "step exceeds the sized activations"
         );
-        let layout = QkvLayout {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
+        let layout = Activations::<B>::layout(cfg);
         let meta = AttentionMetadata {
             query_start_loc: &step.query_start_loc,
             seq_lens: &step.seq_lens,
             block_tables: &step.block_tables,
             num_seqs: step.num_seqs,
             max_blocks_per_seq: step.max_blocks_per_seq,
+            max_query_len: step.max_query_len,
         };
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
         let a = acts;
+        let eps = cfg.rms_norm_eps;
         b.embedding(&w.embed, &step.token_ids, t, d, &mut a.hidden);
-        for (layer, (kc, vc)) in w.layers.iter().zip(kv.layers.iter_mut()) {
-            b.rms_norm(
-                &a.hidden,
-                &layer.attn_norm,
-                cfg.rms_norm_eps,
-                t,
-                d,
-                &mut a.normed,
-            );
+        b.rms_norm(&a.hidden, &w.layers[0].attn_norm, eps, t, d, &mut a.normed);
+        for (i, (layer, (kc, vc))) in w.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             layer.qkv.forward(b, &a.normed, t, &mut a.qkv);
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
@@ -192,22 +222,22 @@ impl<B: Backend> Model<B> {
                 kc,
                 vc,
                 scale,
+                &mut a.attn_workspace,
                 &mut a.attn,
             );
             layer.o.forward(b, &a.attn, t, &mut a.proj);
-            b.add_assign(&mut a.hidden, &a.proj, t * d);
-            b.rms_norm(
-                &a.hidden,
-                &layer.ffn_norm,
-                cfg.rms_norm_eps,
-                t,
-                d,
-                &mut a.normed,
-            );
+            let ffn_norm = &layer.ffn_norm;
+            b.add_rms_norm(&mut a.hidden, &a.proj, ffn_norm, eps, t, d, &mut a.normed);
             layer.gate_up.forward(b, &a.normed, t, &mut a.gate_up);
             b.silu_mul(&a.gate_up, t, f, &mut a.act);
             layer.down.forward(b, &a.act, t, &mut a.proj);
-            b.add_assign(&mut a.hidden, &a.proj, t * d);
+            match w.layers.get(i + 1) {
+                Some(next) => {
+                    let norm = &next.attn_norm;
+                    b.add_rms_norm(&mut a.hidden, &a.proj, norm, eps, t, d, &mut a.normed);
+                }
+                None => b.add_assign(&mut a.hidden, &a.proj, t * d),
+            }
         }
         // Only the sampled rows need the final norm and the vocabulary projection.
         let n = step.num_logits;

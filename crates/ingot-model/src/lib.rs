@@ -4,6 +4,7 @@
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+mod dummy;
 pub mod forward;
 pub mod gguf;
 pub mod reference;
@@ -29,10 +30,19 @@ pub fn load<B: Backend>(
     path: &Path,
     dtype: WeightDType,
 ) -> Result<(Model<B>, Tokenizer)> {
-    let ckpt = Checkpoint::open(path)?;
+    load_checkpoint(backend, &Checkpoint::open(path)?, dtype)
+}
+
+/// Loads an opened checkpoint (a file, a directory or dummy weights) onto `backend`.
+pub fn load_checkpoint<B: Backend>(
+    backend: &B,
+    ckpt: &Checkpoint,
+    dtype: WeightDType,
+) -> Result<(Model<B>, Tokenizer)> {
+    let path = ckpt.path();
     let config = ckpt.config()?;
-    let tokenizer = Tokenizer::from_checkpoint(&ckpt)?;
-    let weights = weights::Weights::load(backend, &ckpt, &config, dtype)?;
+    let tokenizer = Tokenizer::from_checkpoint(ckpt)?;
+    let weights = weights::Weights::load(backend, ckpt, &config, dtype)?;
     tracing::info!(
         "loaded {:?} from {}: {} layers, hidden {}, {} heads / {} kv heads, vocab {}, weights {:.1} MiB",
         config.arch,

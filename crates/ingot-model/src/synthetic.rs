@@ -7,10 +7,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use safetensors::tensor::TensorView;
 use serde_json::json;
-use std::collections::HashMap;
 use std::path::Path;
-use tokenizers::models::wordlevel::WordLevel;
-use tokenizers::pre_tokenizers::whitespace::Whitespace;
 
 pub use safetensors::Dtype;
 pub struct SyntheticSpec {
@@ -187,25 +184,7 @@ impl SyntheticSpec {
             serde_json::to_string_pretty(&config)?,
         )?;
 
-        let vocab: HashMap<String, u32> = (0..self.vocab_size as u32)
-            .map(|i| {
-                (
-                    match i {
-                        0 => "<unk>".to_string(),
-                        1 => "</s>".to_string(),
-                        i => format!("w{i}"),
-                    },
-                    i,
-                )
-            })
-            .collect();
-        let model = WordLevel::builder()
-            .vocab(vocab.into_iter().collect())
-            .unk_token("<unk>".into())
-            .build()
-            .map_err(|e| anyhow!("{e}"))?;
-        let mut tok = tokenizers::Tokenizer::new(model);
-        tok.with_pre_tokenizer(Some(Whitespace {}));
+        let tok = crate::tokenizer::word_level(self.vocab_size)?;
         tok.save(dir.join("tokenizer.json"), false)
             .map_err(|e| anyhow!("{e}"))?;
         let tcfg = json!({"eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"});

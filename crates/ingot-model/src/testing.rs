@@ -30,7 +30,12 @@ pub fn test_model_path() -> Option<PathBuf> {
     None
 }
 
-/// The directory of the committed reference fixtures.
+/// The directory of the committed reference fixtures: `$INGOT_FIXTURES` (for test binaries
+/// run away from the source tree, as on the GPU machine), else the repository's.
 pub fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/smollm2")
+    std::env::var_os("INGOT_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/smollm2")
+        })
 }

@@ -5,13 +5,16 @@ use crate::chat::ChatTemplate;
 use crate::checkpoint::Checkpoint;
 use crate::gguf::{GgufFile, Value};
 use anyhow::{anyhow, bail, Context, Result};
+use std::collections::HashMap;
 use std::path::Path;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
+use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::whitespace::Whitespace;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
@@ -46,6 +49,13 @@ impl Tokenizer {
     pub fn from_checkpoint(ckpt: &Checkpoint) -> Result<Tokenizer> {
         match ckpt {
             Checkpoint::Safetensors { dir, .. } => from_hf_dir(dir),
+            Checkpoint::Dummy { dir, .. } if dir.join("tokenizer.json").exists() => {
+                from_hf_dir(dir)
+            }
+            Checkpoint::Dummy { config, .. } => {
+                // Dummy weights make no text worth reading; ids still need a decoder.
+                Tokenizer::new(word_level(config.vocab_size)?, vec![], None, None, None)
+            }
             Checkpoint::Gguf { file, .. } => from_gguf(file),
         }
     }
@@ -86,6 +96,28 @@ impl Tokenizer {
             self.eos_token.as_deref(),
         )
     }
+}
+
+/// A whitespace word-level tokenizer of `vocab_size` words: `<unk>`, `</s>`, `w2`, `w3`, ….
+pub fn word_level(vocab_size: usize) -> Result<tokenizers::Tokenizer> {
+    let vocab: HashMap<String, u32> = (0..vocab_size as u32)
+        .map(|i| {
+            let word = match i {
+                0 => "<unk>".to_string(),
+                1 => "</s>".to_string(),
+                i => format!("w{i}"),
+            };
+            (word, i)
+        })
+        .collect();
+    let model = WordLevel::builder()
+        .vocab(vocab.into_iter().collect())
+        .unk_token("<unk>".into())
+        .build()
+        .map_err(|e| anyhow!("{e}"))?;
+    let mut tok = tokenizers::Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(Whitespace {}));
+    Ok(tok)
 }
 
 fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {

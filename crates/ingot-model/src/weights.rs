@@ -18,6 +18,18 @@ pub enum WeightDType {
     BF16,
 }
 
+impl WeightDType {
+    /// The dtype a matrix stored as `stored` is converted to.
+    pub fn apply(self, stored: DType) -> DType {
+        match self {
+            WeightDType::Auto => stored,
+            WeightDType::F32 => DType::F32,
+            WeightDType::F16 => DType::F16,
+            WeightDType::BF16 => DType::BF16,
+        }
+    }
+}
+
 impl FromStr for WeightDType {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -85,6 +97,8 @@ pub struct LayerWeights<B: Backend> {
 }
 
 pub struct Weights<B: Backend> {
+    /// The dtype activations run in with these weights on their backend.
+    pub activation_dtype: DType,
     pub embed: B::Buffer,
     pub embed_dtype: DType,
     pub layers: Vec<LayerWeights<B>>,
@@ -99,6 +113,7 @@ struct Loader<'a, B: Backend> {
     ckpt: &'a Checkpoint,
     cfg: &'a ModelConfig,
     dtype: WeightDType,
+    activation: DType,
     bytes: usize,
     progress: ProgressBar,
 }
@@ -170,13 +185,10 @@ impl<'a, B: Backend> Loader<'a, B> {
         self.upload(DType::F32, len, bytemuck::cast_slice(&data))
     }
 
+    /// The dtype a matrix is kept in on the backend.
     fn matrix_dtype(&self, t: &HostTensor<'_>) -> DType {
-        match self.dtype {
-            WeightDType::Auto => t.dtype,
-            WeightDType::F32 => DType::F32,
-            WeightDType::F16 => DType::F16,
-            WeightDType::BF16 => DType::BF16,
-        }
+        self.b
+            .weight_dtype(self.dtype.apply(t.dtype), self.activation)
     }
 
     /// Stacks matrices with the same input width into as few parts as their dtypes allow.
@@ -247,11 +259,17 @@ impl<B: Backend> Weights<B> {
             ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors")
                 .expect("valid template"),
         );
+        // The first layer's query projection stands for the checkpoint's matrix dtype.
+        let q0 = ckpt
+            .tensor(Role::Q, 0, cfg)?
+            .with_context(|| format!("{}: missing weight Q of layer 0", ckpt.path().display()))?;
+        let activation = b.activation_dtype(dtype.apply(q0.dtype));
         let mut l = Loader {
             b,
             ckpt,
             cfg,
             dtype,
+            activation,
             bytes: 0,
             progress,
         };
@@ -332,7 +350,16 @@ impl<B: Backend> Weights<B> {
             Some(l.linear(vec![(t, None, cfg.vocab_size)], d, "lm_head")?)
         };
         l.progress.finish_and_clear();
+        let kept = l.matrix_dtype(&q0);
+        if kept != dtype.apply(q0.dtype) {
+            tracing::info!(
+                "{} has no kernels for {} matrices: converted to {kept} at load",
+                b.name(),
+                dtype.apply(q0.dtype)
+            );
+        }
         Ok(Weights {
+            activation_dtype: activation,
             embed,
             embed_dtype,
             layers,

@@ -1,12 +1,12 @@
 //! `ingot generate`: prompts through the engine, printed as text or JSON lines.
 
-use anyhow::{Context, Result};
+use crate::device::{ModelArgs, OnBackend};
+use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, ValueEnum};
-use ingot_backend::cpu::CpuBackend;
+use ingot_backend::{Backend, DType};
 use ingot_core::SamplingParams;
 use ingot_engine::{Engine, EngineConfig};
 use ingot_model::chat::Message;
-use ingot_model::WeightDType;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -19,9 +19,8 @@ pub enum Format {
 #[derive(clap::Args)]
 #[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompts_file"])))]
 pub struct Args {
-    /// An HF model directory or a .gguf file.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
     #[arg(long)]
     prompt: Option<String>,
     /// Read the prompt from this file.
@@ -57,12 +56,6 @@ pub struct Args {
     /// Keep generating past the end-of-sequence token (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
-    /// auto keeps the checkpoint's dtype (GGUF stays quantized); f32, f16 or bf16 convert.
-    #[arg(long, default_value = "auto")]
-    dtype: WeightDType,
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
     #[command(flatten)]
@@ -83,12 +76,33 @@ pub struct EngineArgs {
     max_model_len: Option<usize>,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Bytes for the KV cache (default: a quarter of the available memory, capped at what
-    /// max-num-seqs full-length sequences use).
+    /// Bytes for the KV cache (default: on a GPU what --gpu-memory-utilization leaves after
+    /// weights and activations; on the CPU a quarter of the available memory, capped at
+    /// what max-num-seqs full-length sequences use).
     #[arg(long)]
     kv_cache_memory: Option<usize>,
+    /// Element type of the KV cache: auto (the model's activation dtype), f32, f16 or bf16.
+    #[arg(long, default_value = "auto", value_parser = parse_kv_dtype)]
+    kv_cache_dtype: KvCacheDType,
+    /// Share of the GPU's memory ingot may use.
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_utilization: f64,
     #[arg(long)]
     no_prefix_caching: bool,
+}
+
+/// `None` is `auto`.
+#[derive(Clone, Copy)]
+pub struct KvCacheDType(Option<DType>);
+
+fn parse_kv_dtype(s: &str) -> Result<KvCacheDType> {
+    Ok(KvCacheDType(match s {
+        "auto" => None,
+        "f32" | "float32" => Some(DType::F32),
+        "f16" | "float16" | "half" => Some(DType::F16),
+        "bf16" | "bfloat16" => Some(DType::BF16),
+        other => bail!("unknown KV cache dtype `{other}` (expected auto, f32, f16 or bf16)"),
+    }))
 }
 
 impl EngineArgs {
@@ -99,6 +113,8 @@ impl EngineArgs {
             max_model_len: self.max_model_len,
             block_size: self.block_size,
             kv_cache_memory: self.kv_cache_memory,
+            kv_cache_dtype: self.kv_cache_dtype.0,
+            gpu_memory_utilization: self.gpu_memory_utilization,
             prefix_caching: !self.no_prefix_caching,
         }
     }
@@ -122,9 +138,19 @@ fn read_prompts(args: &Args) -> Result<Vec<String>> {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    args.model.clone().on_backend(args)
+}
+
+impl OnBackend for Args {
+    type Output = ();
+    fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
+        generate(self, backend)
+    }
+}
+
+fn generate<B: Backend>(args: Args, backend: B) -> Result<()> {
     let texts = read_prompts(&args)?;
-    let backend = CpuBackend::new(args.threads)?;
-    let (model, tokenizer) = ingot_model::load(&backend, &args.model, args.dtype)?;
+    let (model, tokenizer) = args.model.load(&backend)?;
     let tokenizer = Arc::new(tokenizer);
     let prompts = texts
         .into_iter()

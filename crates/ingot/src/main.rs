@@ -1,5 +1,7 @@
 //! The `ingot` command line.
 
+mod bench;
+mod device;
 mod generate;
 mod serve;
 
@@ -18,6 +20,9 @@ enum Command {
     Generate(generate::Args),
     /// Serve the OpenAI-compatible API.
     Serve(serve::Args),
+    /// Measure the engine.
+    #[command(subcommand)]
+    Bench(bench::Command),
 }
 
 fn main() {
@@ -30,6 +35,7 @@ fn main() {
     let result = match Cli::parse().command {
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -2,22 +2,20 @@
 //! while the model loads), and on SIGTERM or Ctrl-C stops accepting, lets in-flight
 //! requests finish within a grace period, and exits 0.
 
+use crate::device::{ModelArgs, OnBackend};
 use crate::generate::EngineArgs;
 use anyhow::{Context, Result};
-use ingot_backend::cpu::CpuBackend;
-use ingot_engine::{Engine, EngineHandle};
-use ingot_model::WeightDType;
+use ingot_backend::Backend;
+use ingot_engine::{Engine, EngineConfig, EngineHandle};
 use ingot_server::{AppState, ServerConfig};
 use std::future::IntoFuture;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// An HF model directory or a .gguf file.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
     #[arg(long, default_value = "0.0.0.0")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -31,10 +29,6 @@ pub struct Args {
     /// Refuse new requests with 503 while this many wait.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
-    #[arg(long, default_value = "auto")]
-    dtype: WeightDType,
-    #[arg(long)]
-    threads: Option<usize>,
     /// Seconds in-flight requests get to finish after a shutdown signal.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
@@ -61,6 +55,21 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: no new connections, finishing requests in flight");
 }
 
+/// Loads the model on the chosen backend and starts the engine thread.
+struct StartEngine {
+    model: ModelArgs,
+    config: EngineConfig,
+}
+
+impl OnBackend for StartEngine {
+    type Output = EngineHandle;
+    fn run<B: Backend + 'static>(self, backend: B) -> Result<EngineHandle> {
+        let (model, tokenizer) = self.model.load(&backend)?;
+        let engine = Engine::new(backend, model, Arc::new(tokenizer), self.config)?;
+        Ok(EngineHandle::spawn(engine))
+    }
+}
+
 pub fn run(args: Args) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -71,10 +80,10 @@ pub fn run(args: Args) -> Result<()> {
 
 async fn serve(args: Args) -> Result<()> {
     let name = args.served_model_name.clone().unwrap_or_else(|| {
-        let stem = args
-            .model
+        let path = &args.model.model;
+        let stem = path
             .file_stem()
-            .or(args.model.file_name())
+            .or(path.file_name())
             .map(|s| s.to_string_lossy().into_owned());
         stem.unwrap_or_else(|| "model".into())
     });
@@ -94,17 +103,13 @@ async fn serve(args: Args) -> Result<()> {
     );
 
     let loading = state.clone();
-    let (model, dtype, threads, config) = (
-        args.model.clone(),
-        args.dtype,
-        args.threads,
-        args.engine.config(),
-    );
+    let job = StartEngine {
+        model: args.model.clone(),
+        config: args.engine.config(),
+    };
     let loader = tokio::task::spawn_blocking(move || -> Result<()> {
-        let backend = CpuBackend::new(threads)?;
-        let (model, tokenizer) = ingot_model::load(&backend, &model, dtype)?;
-        let engine = Engine::new(backend, model, Arc::new(tokenizer), config)?;
-        let _ = loading.engine.set(EngineHandle::spawn(engine));
+        let handle = job.model.clone().on_backend(job)?;
+        let _ = loading.engine.set(handle);
         tracing::info!("model loaded; ready");
         Ok(())
     });

@@ -66,6 +66,19 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", self.threads())
     }
 
+    /// The CPU runs every model in f32: its integer and `gemm` kernels take f32 rows.
+    fn activation_dtype(&self, _weights: DType) -> DType {
+        DType::F32
+    }
+
+    fn weight_dtype(&self, stored: DType, _activation: DType) -> DType {
+        stored
+    }
+
+    fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
+        dtype == DType::F32
+    }
+
     fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<CpuBuffer> {
         anyhow::ensure!(
             numel.is_multiple_of(dtype.block_len()),
@@ -141,6 +154,29 @@ impl Backend for CpuBackend {
                 .par_chunks_mut(dim)
                 .zip(x.par_chunks(dim))
                 .for_each(|(o, x)| rms_norm_row(x, w, eps, o))
+        });
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CpuBuffer,
+        x: &CpuBuffer,
+        weight: &CpuBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut CpuBuffer,
+    ) {
+        let (x, w) = (&x.f32()[..rows * dim], &weight.f32()[..dim]);
+        self.pool.install(|| {
+            out.f32_mut()[..rows * dim]
+                .par_chunks_mut(dim)
+                .zip(residual.f32_mut()[..rows * dim].par_chunks_mut(dim))
+                .zip(x.par_chunks(dim))
+                .for_each(|((o, r), x)| {
+                    r.iter_mut().zip(x).for_each(|(r, &x)| *r += x);
+                    rms_norm_row(r, w, eps, o)
+                })
         });
     }
 
@@ -307,6 +343,7 @@ impl Backend for CpuBackend {
         k_cache: &CpuBuffer,
         v_cache: &CpuBuffer,
         scale: f32,
+        _workspace: &mut CpuBuffer,
         out: &mut CpuBuffer,
     ) {
         let attn = attention::PagedAttention {

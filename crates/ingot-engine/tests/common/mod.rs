@@ -2,11 +2,14 @@
 #![allow(dead_code)]
 
 use ingot_backend::cpu::CpuBackend;
+use ingot_backend::Backend;
 use ingot_engine::{ModelRunner, RunnerConfig, StepInput};
+use ingot_model::testing::fixtures_dir;
 use ingot_model::WeightDType;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+use serde_json::Value;
 use std::path::Path;
 
 pub fn runner(
@@ -17,7 +20,27 @@ pub fn runner(
     max_len: usize,
     num_blocks: usize,
 ) -> ModelRunner<CpuBackend> {
-    let backend = CpuBackend::new(None).unwrap();
+    runner_on(
+        CpuBackend::new(None).unwrap(),
+        path,
+        dtype,
+        budget,
+        max_seqs,
+        max_len,
+        num_blocks,
+    )
+}
+
+/// A runner on `backend` with the KV cache in the model's activation dtype.
+pub fn runner_on<B: Backend>(
+    backend: B,
+    path: &Path,
+    dtype: WeightDType,
+    budget: usize,
+    max_seqs: usize,
+    max_len: usize,
+    num_blocks: usize,
+) -> ModelRunner<B> {
     let (model, _) = ingot_model::load(&backend, path, dtype).unwrap();
     let cfg = RunnerConfig {
         max_num_batched_tokens: budget,
@@ -25,6 +48,7 @@ pub fn runner(
         max_model_len: max_len,
         block_size: 16,
         num_blocks,
+        kv_cache_dtype: model.weights.activation_dtype,
     };
     ModelRunner::new(backend, model, cfg).unwrap()
 }
@@ -51,8 +75,8 @@ pub struct Observed {
 /// random length (cut at arbitrary points) with single-token steps, several sequences per
 /// step, with physical blocks handed out in shuffled order. Returns the logits of the last
 /// token of each sequence's slice in each step.
-pub fn run_mixed(
-    runner: &mut ModelRunner<CpuBackend>,
+pub fn run_mixed<B: Backend>(
+    runner: &mut ModelRunner<B>,
     seqs: &[Vec<u32>],
     seed: u64,
 ) -> Vec<Observed> {
@@ -125,8 +149,8 @@ pub fn run_mixed(
 
 /// Greedy generation of one sequence straight through the runner, keeping every step's
 /// logits: the exact-logit comparisons with transformers need them.
-pub fn greedy_with_logits(
-    runner: &mut ModelRunner<CpuBackend>,
+pub fn greedy_with_logits<B: Backend>(
+    runner: &mut ModelRunner<B>,
     prompt: &[u32],
     steps: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
@@ -165,4 +189,59 @@ pub fn greedy_with_logits(
         }
     }
     (tokens, all)
+}
+
+/// One transformers fixture: a prompt, its greedy continuation and top-5 logits per step.
+pub struct Case {
+    pub name: String,
+    pub prompt: Vec<u32>,
+    pub greedy: Vec<u32>,
+    pub top5: Vec<Vec<(u32, f32)>>,
+}
+
+pub fn cases() -> Vec<Case> {
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("logits.json")).unwrap())
+            .unwrap();
+    let ids = |v: &Value| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect::<Vec<_>>()
+    };
+    v["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().into(),
+            prompt: ids(&c["prompt_ids"]),
+            greedy: ids(&c["greedy_ids"]),
+            top5: c["top5"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|step| {
+                    step.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
+                        .collect()
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// Ids of the `k` largest logits, largest first.
+pub fn top_ids(logits: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    idx.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
 }

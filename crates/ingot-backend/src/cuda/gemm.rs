@@ -1,0 +1,248 @@
+//! Matrix products through cuBLASLt: `out = x · wᵀ (+ bias)` with row-major `x` `[m, k]`,
+//! `w` `[n, k]` and `out` rows `ld` apart, f32 accumulation. In cuBLAS's column-major
+//! terms that is `outᵀ (n × m) = wᵀᵀ · xᵀ`: A = w transposed, B = x. Descriptors and the
+//! heuristic's algorithm are made once per shape and kept.
+
+use crate::DType;
+use anyhow::{anyhow, Result};
+use cudarc::cublaslt::result;
+use cudarc::cublaslt::sys::{
+    self, cublasComputeType_t, cublasLtEpilogue_t, cublasLtMatmulAlgo_t,
+    cublasLtMatmulDescAttributes_t as Desc, cublasLtMatmulPreferenceAttributes_t as Pref,
+    cudaDataType_t,
+};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::size_of;
+
+pub fn cuda_type(dtype: DType) -> cudaDataType_t {
+    match dtype {
+        DType::F32 => cudaDataType_t::CUDA_R_32F,
+        DType::F16 => cudaDataType_t::CUDA_R_16F,
+        DType::BF16 => cudaDataType_t::CUDA_R_16BF,
+        other => panic!("no cuBLASLt type for {other}"),
+    }
+}
+
+/// Everything that selects a plan.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Shape {
+    pub x: DType,
+    pub w: DType,
+    pub out: DType,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub ld: usize,
+    pub bias: bool,
+    /// Largest power of two (≤ 256) dividing every pointer, which limits the algorithms.
+    pub align: usize,
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    c: sys::cublasLtMatrixLayout_t,
+    algo: cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created for this plan and is destroyed once.
+        unsafe {
+            let _ = result::destroy_matrix_layout(self.a);
+            let _ = result::destroy_matrix_layout(self.b);
+            let _ = result::destroy_matrix_layout(self.c);
+            let _ = result::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+pub struct Gemm {
+    handle: sys::cublasLtHandle_t,
+    workspace: u64,
+    workspace_bytes: usize,
+    plans: HashMap<Shape, Option<Plan>>,
+}
+
+// SAFETY: the handle and plans are used by one thread at a time (the backend holds the
+// Gemm behind a mutex).
+unsafe impl Send for Gemm {}
+
+fn err(what: &str) -> impl Fn(result::CublasError) -> anyhow::Error + '_ {
+    move |e| anyhow!("cuBLASLt {what}: {e:?}")
+}
+
+unsafe fn set_desc<T>(desc: sys::cublasLtMatmulDesc_t, attr: Desc, v: &T) -> Result<()> {
+    result::set_matmul_desc_attribute(desc, attr, (v as *const T).cast(), size_of::<T>())
+        .map_err(err("matmul descriptor"))
+}
+
+impl Gemm {
+    /// `workspace` is a device allocation of `workspace_bytes` that outlives the Gemm.
+    pub fn new(workspace: u64, workspace_bytes: usize) -> Result<Gemm> {
+        Ok(Gemm {
+            handle: result::create_handle().map_err(err("handle"))?,
+            workspace,
+            workspace_bytes,
+            plans: HashMap::new(),
+        })
+    }
+
+    /// A plan for `shape`, or `None` when cuBLASLt has no algorithm for it (a bias
+    /// epilogue on some types); the caller then adds the bias itself.
+    fn plan(&mut self, s: Shape) -> Result<Option<&Plan>> {
+        if !self.plans.contains_key(&s) {
+            let plan = self.make_plan(s)?;
+            self.plans.insert(s, plan);
+        }
+        Ok(self.plans[&s].as_ref())
+    }
+
+    fn make_plan(&self, s: Shape) -> Result<Option<Plan>> {
+        // SAFETY: descriptors are created, configured and owned by the returned plan.
+        unsafe {
+            let compute = cublasComputeType_t::CUBLAS_COMPUTE_32F;
+            let desc = result::create_matmul_desc(compute, cudaDataType_t::CUDA_R_32F)
+                .map_err(err("matmul descriptor"))?;
+            let mut plan = Plan {
+                desc,
+                a: result::create_matrix_layout(cuda_type(s.w), s.k as u64, s.n as u64, s.k as i64)
+                    .map_err(err("layout"))?,
+                b: result::create_matrix_layout(cuda_type(s.x), s.k as u64, s.m as u64, s.k as i64)
+                    .map_err(err("layout"))?,
+                c: result::create_matrix_layout(
+                    cuda_type(s.out),
+                    s.n as u64,
+                    s.m as u64,
+                    s.ld as i64,
+                )
+                .map_err(err("layout"))?,
+                algo: std::mem::zeroed(),
+            };
+            set_desc(desc, Desc::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+            set_desc(desc, Desc::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
+            if s.bias {
+                set_desc(
+                    desc,
+                    Desc::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                )?;
+                set_desc(
+                    desc,
+                    Desc::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    &cudaDataType_t::CUDA_R_32F,
+                )?;
+            }
+            let pref = result::create_matmul_pref().map_err(err("preference"))?;
+            let set_pref = |attr: Pref, v: u64| {
+                result::set_matmul_pref_attribute(
+                    pref,
+                    attr,
+                    (&v as *const u64).cast(),
+                    size_of::<u64>(),
+                )
+                .map_err(err("preference"))
+            };
+            let found = set_pref(
+                Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                self.workspace_bytes as u64,
+            )
+            .and_then(|_| {
+                for attr in [
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                ] {
+                    set_pref(attr, s.align as u64)?;
+                }
+                Ok(())
+            })
+            .map(|_| {
+                result::get_matmul_algo_heuristic(
+                    self.handle,
+                    desc,
+                    plan.a,
+                    plan.b,
+                    plan.c,
+                    plan.c,
+                    pref,
+                )
+            });
+            let _ = result::destroy_matmul_pref(pref);
+            match found? {
+                Ok(h) => {
+                    plan.algo = h.algo;
+                    Ok(Some(plan))
+                }
+                Err(_) if s.bias => Ok(None),
+                Err(e) => Err(anyhow!("cuBLASLt has no algorithm for {s:?}: {e:?}")),
+            }
+        }
+    }
+
+    /// Enqueues the product on `stream`. Returns `false` when the bias was not applied
+    /// (no epilogue for this shape), so the caller adds it.
+    ///
+    /// # Safety
+    /// The pointers must address device buffers large enough for `shape`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul(
+        &mut self,
+        shape: Shape,
+        x: u64,
+        w: u64,
+        bias: Option<u64>,
+        out: u64,
+        stream: sys::cudaStream_t,
+    ) -> Result<bool> {
+        let (workspace, workspace_bytes, handle) =
+            (self.workspace, self.workspace_bytes, self.handle);
+        let plan = match self.plan(shape)? {
+            Some(p) => p,
+            None => {
+                let plain = Shape {
+                    bias: false,
+                    ..shape
+                };
+                return self.matmul(plain, x, w, None, out, stream).map(|_| false);
+            }
+        };
+        if let Some(b) = bias {
+            set_desc(plan.desc, Desc::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b)?;
+        }
+        let (alpha, beta) = (1f32, 0f32);
+        result::matmul(
+            handle,
+            plan.desc,
+            (&alpha as *const f32).cast(),
+            (&beta as *const f32).cast(),
+            w as *const c_void,
+            plan.a,
+            x as *const c_void,
+            plan.b,
+            out as *const c_void,
+            plan.c,
+            out as *mut c_void,
+            plan.c,
+            &plan.algo,
+            workspace as *mut c_void,
+            workspace_bytes,
+            stream,
+        )
+        .map_err(err("matmul"))?;
+        Ok(true)
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: the handle was created in `new` and is destroyed once.
+        unsafe {
+            let _ = result::destroy_handle(self.handle);
+        }
+    }
+}

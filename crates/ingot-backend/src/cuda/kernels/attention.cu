@@ -1,0 +1,441 @@
+// Paged attention over a flattened batch. Sequence s owns token rows
+// query_start_loc[s]..query_start_loc[s+1], the last tokens of its context of seq_lens[s]
+// tokens; keys and values are read from the cache through its block table.
+//
+// split_kv_attention + split_kv_reduce: one query token per grid row, each KV head read
+// once for its group of query heads, the context cut into at most `num_splits` parts that
+// run in parallel (flash-decoding) and are merged by the reduce kernel. A token's split
+// depends only on its own context length, so results do not depend on the batch.
+//
+// prefill_attention: 64 query tokens x one head per block on tensor cores (mma.sync
+// m16n8k16, f32 accumulation), online softmax in f32, causal over the paged context.
+
+#define CHUNK 8
+#define WARPS 4
+#define GMAX 8
+
+template <int BYTES> struct Raw;
+template <> struct Raw<2> { typedef u16 t; };
+template <> struct Raw<4> { typedef u32 t; };
+template <> struct Raw<8> { typedef uint2 t; };
+template <> struct Raw<16> { typedef uint4 t; };
+
+// N consecutive elements (N * sizeof(C) bytes, aligned to that) as f32.
+template <typename C, int N>
+__device__ __forceinline__ void load_f32(const C* p, float* out) {
+    typedef typename Raw<sizeof(C) * N>::t R;
+    const R r = *reinterpret_cast<const R*>(p);
+    const C* e = reinterpret_cast<const C*>(&r);
+#pragma unroll
+    for (int i = 0; i < N; i++) out[i] = to_f32(e[i]);
+}
+
+// Tokens per split for a context of `ctx` tokens: whole chunks, at least `min_part`.
+__device__ __forceinline__ int split_len(int ctx, int num_splits, int min_part) {
+    int part = (ctx + num_splits - 1) / num_splits;
+    part = (part + CHUNK - 1) / CHUNK * CHUNK;
+    return part > min_part ? part : min_part;
+}
+
+// Context length seen by flattened token `token`, and its sequence.
+__device__ __forceinline__ int token_context(const int* query_start_loc, const int* seq_lens,
+                                             int num_seqs, int token, int* seq) {
+    const int s = seq_of_token(query_start_loc, num_seqs, token);
+    *seq = s;
+    const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+    return seq_lens[s] - q_len + (token - query_start_loc[s]) + 1;
+}
+
+// Grid: (num_kv_heads * head groups of up to GMAX, rows, num_splits); WARPS warps.
+// Writes per (row, head, split) the unnormalized output, the running max and the sum.
+template <typename T, typename C, int D>
+__device__ void split_kv_attention(const T* qkv, const int* query_start_loc, const int* seq_lens,
+                                   const int* block_tables, int max_blocks, int num_seqs,
+                                   int token_offset, const C* k_cache, const C* v_cache,
+                                   int block_size, int num_heads, int num_kv_heads, int row_len,
+                                   float scale, int num_splits, int min_part, float* ws_o,
+                                   float* ws_ml) {
+    constexpr int VEC = D / 32;
+    __shared__ float sm_acc[WARPS][GMAX][D];
+    __shared__ float sm_m[WARPS][GMAX];
+    __shared__ float sm_l[WARPS][GMAX];
+
+    const int group = num_heads / num_kv_heads;
+    const int groups_per_kv = (group + GMAX - 1) / GMAX;
+    const int kvh = blockIdx.x / groups_per_kv;
+    const int h0 = kvh * group + (blockIdx.x % groups_per_kv) * GMAX;
+    const int G = min(GMAX, kvh * group + group - h0);
+    const int row = blockIdx.y;
+    const int token = token_offset + row;
+    int s;
+    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, token, &s);
+    const int part = split_len(ctx, num_splits, min_part);
+    const int split = blockIdx.z;
+    const int start = split * part;
+    if (start >= ctx) return;
+    const int end = min(ctx, start + part);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    float q[GMAX][VEC];
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        if (g < G) {
+            load_f32<T, VEC>(qkv + (long long)token * row_len + (long long)(h0 + g) * D + lane * VEC,
+                             q[g]);
+#pragma unroll
+            for (int v = 0; v < VEC; v++) q[g][v] *= scale;
+        } else {
+#pragma unroll
+            for (int v = 0; v < VEC; v++) q[g][v] = 0.0f;
+        }
+    }
+    float m[GMAX], l[GMAX], acc[GMAX][VEC];
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int v = 0; v < VEC; v++) acc[g][v] = 0.0f;
+    }
+    const int* table = block_tables + (long long)s * max_blocks;
+    for (int t0 = start + warp * CHUNK; t0 < end; t0 += WARPS * CHUNK) {
+        float k[CHUNK][VEC], vv[CHUNK][VEC];
+#pragma unroll
+        for (int j = 0; j < CHUNK; j++) {
+            const int t = t0 + j;
+            if (t < end) {
+                const long long slot = (long long)table[t / block_size] * block_size + t % block_size;
+                const long long off = (slot * num_kv_heads + kvh) * D + lane * VEC;
+                load_f32<C, VEC>(k_cache + off, k[j]);
+                load_f32<C, VEC>(v_cache + off, vv[j]);
+            } else {
+#pragma unroll
+                for (int v = 0; v < VEC; v++) k[j][v] = vv[j][v] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) {
+            if (g >= G) break;
+            float sc[CHUNK];
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < CHUNK; j++) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int v = 0; v < VEC; v++) dot += q[g][v] * k[j][v];
+                dot = warp_sum(dot);
+                sc[j] = t0 + j < end ? dot : NEG_INF;
+                mx = fmaxf(mx, sc[j]);
+            }
+            const float m_new = fmaxf(m[g], mx);
+            const float alpha = expf(m[g] - m_new);
+            l[g] *= alpha;
+#pragma unroll
+            for (int v = 0; v < VEC; v++) acc[g][v] *= alpha;
+#pragma unroll
+            for (int j = 0; j < CHUNK; j++) {
+                const float p = expf(sc[j] - m_new);
+                l[g] += p;
+#pragma unroll
+                for (int v = 0; v < VEC; v++) acc[g][v] += p * vv[j][v];
+            }
+            m[g] = m_new;
+        }
+    }
+    // Merge the warps: warp 0 always saw a token, so the merged maximum is finite.
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        if (g < G) {
+#pragma unroll
+            for (int v = 0; v < VEC; v++) sm_acc[warp][g][lane * VEC + v] = acc[g][v];
+            if (lane == 0) {
+                sm_m[warp][g] = m[g];
+                sm_l[warp][g] = l[g];
+            }
+        }
+    }
+    __syncthreads();
+    const long long out_base = ((long long)row * num_heads + h0) * num_splits + split;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D, d = i - g * D;
+        float mmax = NEG_INF;
+        for (int w = 0; w < WARPS; w++) mmax = fmaxf(mmax, sm_m[w][g]);
+        float o = 0.0f, sum = 0.0f;
+        for (int w = 0; w < WARPS; w++) {
+            const float f = expf(sm_m[w][g] - mmax);
+            o += sm_acc[w][g][d] * f;
+            sum += sm_l[w][g] * f;
+        }
+        const long long at = out_base + (long long)g * num_splits;
+        ws_o[at * D + d] = o;
+        if (d == 0) {
+            ws_ml[at * 2] = mmax;
+            ws_ml[at * 2 + 1] = sum;
+        }
+    }
+}
+
+// Grid: (num_heads, rows). Merges the splits of each (row, head) into the output.
+template <typename T>
+__device__ void split_kv_reduce(const int* query_start_loc, const int* seq_lens, int num_seqs,
+                                int token_offset, int num_heads, int head_dim, int num_splits,
+                                int min_part, const float* ws_o, const float* ws_ml, T* out) {
+    const int head = blockIdx.x, row = blockIdx.y;
+    const int token = token_offset + row;
+    int s;
+    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, token, &s);
+    const int part = split_len(ctx, num_splits, min_part);
+    const int n = (ctx + part - 1) / part;
+    const long long base = ((long long)row * num_heads + head) * num_splits;
+    float mmax = NEG_INF;
+    for (int p = 0; p < n; p++) mmax = fmaxf(mmax, ws_ml[(base + p) * 2]);
+    float sum = 0.0f;
+    for (int p = 0; p < n; p++) sum += ws_ml[(base + p) * 2 + 1] * expf(ws_ml[(base + p) * 2] - mmax);
+    const float inv = 1.0f / sum;
+    T* o = out + (long long)token * num_heads * head_dim + (long long)head * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float v = 0.0f;
+        for (int p = 0; p < n; p++)
+            v += ws_o[(base + p) * head_dim + d] * expf(ws_ml[(base + p) * 2] - mmax);
+        o[d] = from_f32<T>(v * inv);
+    }
+}
+
+// ---- tensor-core prefill ----
+
+#define BQ 64
+#define BK 64
+
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// c += a (16x16, row) * b (16x8, col), f32 accumulators.
+template <typename T> __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma16816<bf16>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<f16>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 ld32(const void* p) { return *reinterpret_cast<const u32*>(p); }
+
+// Grid: (num_tokens / BQ + num_seqs, num_heads); 4 warps, each owning 16 query rows.
+// Block b serves sequence s with qsl[s] / BQ + s <= b < qsl[s+1] / BQ + s + 1, which
+// covers every sequence's query tiles; surplus blocks return at once.
+template <typename T, int D>
+__device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_lens,
+                                  const int* block_tables, int max_blocks, int num_seqs,
+                                  const T* k_cache, const T* v_cache, int block_size,
+                                  int num_heads, int num_kv_heads, int row_len, float scale,
+                                  T* out) {
+    constexpr int KP = D + 8;   // padded smem rows keep the fragment loads conflict-free
+    constexpr int VP = BK + 8;
+    __shared__ __align__(16) u16 ks[BK * KP];
+    __shared__ __align__(16) u16 vts[D * VP];
+
+    const int tile = blockIdx.x, head = blockIdx.y;
+    const int kvh = head / (num_heads / num_kv_heads);
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (qsl[mid] / BQ + mid <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int s = lo;
+    const int q_start = qsl[s], q_len = qsl[s + 1] - q_start;
+    const int q0 = (tile - (q_start / BQ + s)) * BQ;
+    if (q0 >= q_len) return;
+    const int seq_len = seq_lens[s];
+    const int ctx0 = seq_len - q_len;  // position of the sequence's first query token
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+
+    u32 qa[D / 16][4];
+    const T* qb = qkv + (long long)q_start * row_len + (long long)head * D;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc++) {
+        const int c = kc * 16 + 2 * t4;
+        qa[kc][0] = r0 < q_len ? ld32(qb + (long long)r0 * row_len + c) : 0u;
+        qa[kc][1] = r1 < q_len ? ld32(qb + (long long)r1 * row_len + c) : 0u;
+        qa[kc][2] = r0 < q_len ? ld32(qb + (long long)r0 * row_len + c + 8) : 0u;
+        qa[kc][3] = r1 < q_len ? ld32(qb + (long long)r1 * row_len + c + 8) : 0u;
+    }
+    float acc[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    const int p0 = ctx0 + r0, p1 = ctx0 + r1;
+    const int kv_end = min(seq_len, ctx0 + q0 + BQ);
+    const int* table = block_tables + (long long)s * max_blocks;
+    const long long slot_stride = (long long)num_kv_heads * D;
+
+    for (int k0 = 0; k0 < kv_end; k0 += BK) {
+        __syncthreads();
+        for (int c = threadIdx.x; c < BK * D / 8; c += blockDim.x) {
+            const int j = c / (D / 8), d8 = (c - j * (D / 8)) * 8;
+            const int pos = k0 + j;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (pos < kv_end) {
+                const long long slot =
+                    (long long)table[pos / block_size] * block_size + pos % block_size;
+                const long long off = slot * slot_stride + (long long)kvh * D + d8;
+                kv = *reinterpret_cast<const uint4*>(k_cache + off);
+                vv = *reinterpret_cast<const uint4*>(v_cache + off);
+            }
+            *reinterpret_cast<uint4*>(&ks[j * KP + d8]) = kv;
+            const u16* ve = reinterpret_cast<const u16*>(&vv);
+#pragma unroll
+            for (int e = 0; e < 8; e++) vts[(d8 + e) * VP + j] = ve[e];
+        }
+        __syncthreads();
+
+        float sc[BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < BK / 8; n++) {
+            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+            const u16* kr = &ks[(n * 8 + g) * KP + 2 * t4];
+#pragma unroll
+            for (int kc = 0; kc < D / 16; kc++)
+                mma16816<T>(sc[n], qa[kc], ld32(kr + kc * 16), ld32(kr + kc * 16 + 8));
+        }
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < BK / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = k0 + n * 8 + 2 * t4 + e;
+                sc[n][e] = (key <= p0 && key < kv_end) ? sc[n][e] * scale : NEG_INF;
+                sc[n][2 + e] = (key <= p1 && key < kv_end) ? sc[n][2 + e] * scale : NEG_INF;
+                mx0 = fmaxf(mx0, sc[n][e]);
+                mx1 = fmaxf(mx1, sc[n][2 + e]);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        // A row that sees no key yet (padding rows past the sequence) keeps a zero base.
+        const float b0 = n0 == NEG_INF ? 0.0f : n0, b1 = n1 == NEG_INF ? 0.0f : n1;
+        const float a0 = expf(m0 - b0), a1 = expf(m1 - b1);
+        float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < BK / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                sc[n][e] = expf(sc[n][e] - b0);
+                sc[n][2 + e] = expf(sc[n][2 + e] - b1);
+                rs0 += sc[n][e];
+                rs1 += sc[n][2 + e];
+            }
+        }
+        rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
+        rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
+        rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
+        rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+        l0 = l0 * a0 + rs0;
+        l1 = l1 * a1 + rs1;
+        m0 = n0;
+        m1 = n1;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn++) {
+            acc[dn][0] *= a0;
+            acc[dn][1] *= a0;
+            acc[dn][2] *= a1;
+            acc[dn][3] *= a1;
+        }
+        u32 pa[BK / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            pa[kk][0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn++) {
+            const u16* vr = &vts[(dn * 8 + g) * VP + 2 * t4];
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++)
+                mma16816<T>(acc[dn], pa[kk], ld32(vr + kk * 16), ld32(vr + kk * 16 + 8));
+        }
+    }
+    const long long out_ld = (long long)num_heads * D;
+    T* ob = out + (long long)q_start * out_ld + (long long)head * D;
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int col = dn * 8 + 2 * t4 + e;
+            if (r0 < q_len) ob[(long long)r0 * out_ld + col] = from_f32<T>(acc[dn][e] * i0);
+            if (r1 < q_len) ob[(long long)r1 * out_ld + col] = from_f32<T>(acc[dn][2 + e] * i1);
+        }
+    }
+}
+
+#define SPLIT_KV(T, S, C, SC, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                       \
+        split_kv_attention_##S##_##SC##_d##D(                                                      \
+            const T* qkv, const int* qsl, const int* sl, const int* bt, int mb, int ns, int off,   \
+            const C* kc, const C* vc, int bs, int nh, int nkv, int rl, float scale, int splits,    \
+            int min_part, float* ws_o, float* ws_ml) {                                             \
+        split_kv_attention<T, C, D>(qkv, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, \
+                                    splits, min_part, ws_o, ws_ml);                                \
+    }
+
+#define SPLIT_KV_ALL(T, S, C, SC) \
+    SPLIT_KV(T, S, C, SC, 32)     \
+    SPLIT_KV(T, S, C, SC, 64)     \
+    SPLIT_KV(T, S, C, SC, 128)
+
+#define REDUCE(T, S)                                                                               \
+    extern "C" __global__ void split_kv_reduce_##S(const int* qsl, const int* sl, int ns, int off, \
+                                                   int nh, int hd, int splits, int min_part,       \
+                                                   const float* ws_o, const float* ws_ml, T* out) { \
+        split_kv_reduce<T>(qsl, sl, ns, off, nh, hd, splits, min_part, ws_o, ws_ml, out);          \
+    }
+
+#define PREFILL(T, S, D)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) prefill_attention_##S##_d##D(                \
+        const T* qkv, const int* qsl, const int* sl, const int* bt, int mb, int ns, const T* kc,   \
+        const T* vc, int bs, int nh, int nkv, int rl, float scale, T* out) {                       \
+        prefill_attention<T, D>(qkv, qsl, sl, bt, mb, ns, kc, vc, bs, nh, nkv, rl, scale, out);    \
+    }
+
+SPLIT_KV_ALL(float, f32, float, f32)
+SPLIT_KV_ALL(float, f32, f16, f16)
+SPLIT_KV_ALL(float, f32, bf16, bf16)
+SPLIT_KV_ALL(f16, f16, float, f32)
+SPLIT_KV_ALL(f16, f16, f16, f16)
+SPLIT_KV_ALL(f16, f16, bf16, bf16)
+SPLIT_KV_ALL(bf16, bf16, float, f32)
+SPLIT_KV_ALL(bf16, bf16, f16, f16)
+SPLIT_KV_ALL(bf16, bf16, bf16, bf16)
+REDUCE(float, f32)
+REDUCE(f16, f16)
+REDUCE(bf16, bf16)
+PREFILL(f16, f16, 32)
+PREFILL(f16, f16, 64)
+PREFILL(f16, f16, 128)
+PREFILL(bf16, bf16, 32)
+PREFILL(bf16, bf16, 64)
+PREFILL(bf16, bf16, 128)

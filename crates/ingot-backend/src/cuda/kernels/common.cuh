@@ -1,0 +1,73 @@
+// Shared by every kernel source: element types and their f32 conversions, warp and block
+// reductions. No CUDA headers are included, so NVRTC needs no include path: bf16 and f16
+// are kept as raw bits and converted with PTX instructions (sm_80 and later).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
+__device__ __forceinline__ float to_f32(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) {
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+template <> __device__ __forceinline__ f16 from_f32<f16>(float x) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+
+// Rounds through T and back: the value a store to a T buffer keeps.
+template <typename T> __device__ __forceinline__ float round_to(float x) {
+    return to_f32(from_f32<T>(x));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every
+// thread. The order of additions depends only on blockDim, so results are reproducible.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    float t = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+// Sequence owning flattened token row `token`: the largest s with query_start_loc[s] <= token.
+__device__ __forceinline__ int seq_of_token(const int* query_start_loc, int num_seqs, int token) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (query_start_loc[mid] <= token) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+#define NEG_INF __int_as_float(0xff800000)

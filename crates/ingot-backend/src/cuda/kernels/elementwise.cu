@@ -1,0 +1,179 @@
+// Row-wise and element-wise ops of a transformer step. Every kernel reads and writes the
+// activation type T and computes in f32; rounding to T happens where HF transformers
+// rounds (after the normalization, before the norm weight), so bf16 runs track it.
+
+template <typename T>
+__device__ void embedding(const T* table, const int* ids, int dim, T* out) {
+    const long long row = blockIdx.x;
+    const T* src = table + (long long)ids[row] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = src[i];
+}
+
+template <typename T>
+__device__ void rms_norm(const T* x, const float* w, float eps, int dim, T* out) {
+    const long long row = blockIdx.x;
+    const T* xr = x + row * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = to_f32(xr[i]);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss) / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        out[row * dim + i] = from_f32<T>(round_to<T>(to_f32(xr[i]) * inv) * w[i]);
+}
+
+// residual += x (rounded to T, as a T residual stream keeps it), then the norm of the sum.
+template <typename T>
+__device__ void add_rms_norm(T* residual, const T* x, const float* w, float eps, int dim, T* out) {
+    const long long row = blockIdx.x;
+    T* r = residual + row * dim;
+    const T* xr = x + row * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = round_to<T>(to_f32(r[i]) + to_f32(xr[i]));
+        r[i] = from_f32<T>(v);
+        ss += v * v;
+    }
+    // Each thread reads back only what it wrote, so no barrier is needed before the reads.
+    const float inv = rsqrtf(block_sum(ss) / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        out[row * dim + i] = from_f32<T>(round_to<T>(to_f32(r[i]) * inv) * w[i]);
+}
+
+template <typename T>
+__device__ void add_assign(T* acc, const T* x, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(x[i]));
+}
+
+template <typename T>
+__device__ void silu_mul(const T* gate_up, long long rows, int ffn, T* out) {
+    const long long n = rows * ffn;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / ffn;
+        const int j = (int)(i - r * ffn);
+        const float g = to_f32(gate_up[r * 2 * ffn + j]);
+        const float u = to_f32(gate_up[r * 2 * ffn + ffn + j]);
+        out[i] = from_f32<T>(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// One warp per (row, head) over the query and key heads.
+template <typename T>
+__device__ void qk_norm(T* qkv, int num_heads, int num_kv_heads, int head_dim, int row_len,
+                        const float* qw, const float* kw, float eps) {
+    const long long row = blockIdx.x;
+    const int head = blockIdx.y;
+    T* x = qkv + row * row_len + (long long)head * head_dim;
+    const float* w = head < num_heads ? qw : kw;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < head_dim; i += 32) {
+        const float v = to_f32(x[i]);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(warp_sum(ss) / head_dim + eps);
+    for (int i = threadIdx.x; i < head_dim; i += 32)
+        x[i] = from_f32<T>(round_to<T>(to_f32(x[i]) * inv) * w[i]);
+}
+
+// NeoX rotation of the first `heads` heads of each row (queries then keys) in place.
+template <typename T>
+__device__ void rope(T* qkv, const int* positions, const float* cos_sin, int heads, int head_dim,
+                     int rotary_dim, int row_len) {
+    const long long row = blockIdx.x;
+    const int half = rotary_dim / 2;
+    const float* cs = cos_sin + (long long)positions[row] * rotary_dim;
+    for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
+        const int h = i / half, j = i - h * half;
+        T* x = qkv + row * row_len + (long long)h * head_dim;
+        const float a = to_f32(x[j]), b = to_f32(x[j + half]);
+        const float c = cs[j], s = cs[half + j];
+        x[j] = from_f32<T>(a * c - b * s);
+        x[j + half] = from_f32<T>(b * c + a * s);
+    }
+}
+
+// Keys and values of each token to its cache slot; a negative slot keeps nothing.
+template <typename T, typename C>
+__device__ void kv_write(const T* qkv, const int* slots, int q_len, int kv_len, int row_len,
+                         C* k_cache, C* v_cache) {
+    const long long row = blockIdx.x;
+    const long long slot = slots[row];
+    if (slot < 0) return;
+    const T* k = qkv + row * row_len + q_len;
+    for (int i = threadIdx.x; i < kv_len; i += blockDim.x) {
+        k_cache[slot * kv_len + i] = from_f32<C>(to_f32(k[i]));
+        v_cache[slot * kv_len + i] = from_f32<C>(to_f32(k[kv_len + i]));
+    }
+}
+
+template <typename T>
+__device__ void gather_rows(const T* x, const int* indices, int dim, T* out) {
+    const long long row = blockIdx.x;
+    const T* src = x + (long long)indices[row] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = src[i];
+}
+
+// out[i, j] += bias[j] over columns [0, n) of rows `ld` apart (the matmul's bias when no
+// cuBLASLt epilogue takes it).
+template <typename T>
+__device__ void bias_add(T* out, const float* bias, int n, long long ld) {
+    const long long row = blockIdx.x;
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        out[row * ld + j] = from_f32<T>(to_f32(out[row * ld + j]) + bias[j]);
+}
+
+#define ELEMENTWISE(T, S)                                                                          \
+    extern "C" __global__ void embedding_##S(const T* t, const int* ids, int dim, T* out) {        \
+        embedding<T>(t, ids, dim, out);                                                            \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_##S(const T* x, const float* w, float eps, int dim,        \
+                                            T* out) {                                              \
+        rms_norm<T>(x, w, eps, dim, out);                                                          \
+    }                                                                                              \
+    extern "C" __global__ void add_rms_norm_##S(T* r, const T* x, const float* w, float eps,       \
+                                                int dim, T* out) {                                 \
+        add_rms_norm<T>(r, x, w, eps, dim, out);                                                   \
+    }                                                                                              \
+    extern "C" __global__ void add_assign_##S(T* acc, const T* x, long long n) {                   \
+        add_assign<T>(acc, x, n);                                                                  \
+    }                                                                                              \
+    extern "C" __global__ void silu_mul_##S(const T* gu, long long rows, int ffn, T* out) {        \
+        silu_mul<T>(gu, rows, ffn, out);                                                           \
+    }                                                                                              \
+    extern "C" __global__ void qk_norm_##S(T* qkv, int nh, int nkv, int hd, int rl,                \
+                                           const float* qw, const float* kw, float eps) {          \
+        qk_norm<T>(qkv, nh, nkv, hd, rl, qw, kw, eps);                                             \
+    }                                                                                              \
+    extern "C" __global__ void rope_##S(T* qkv, const int* pos, const float* cs, int heads,        \
+                                        int hd, int rd, int rl) {                                  \
+        rope<T>(qkv, pos, cs, heads, hd, rd, rl);                                                  \
+    }                                                                                              \
+    extern "C" __global__ void gather_rows_##S(const T* x, const int* idx, int dim, T* out) {      \
+        gather_rows<T>(x, idx, dim, out);                                                          \
+    }                                                                                              \
+    extern "C" __global__ void bias_add_##S(T* out, const float* bias, int n, long long ld) {      \
+        bias_add<T>(out, bias, n, ld);                                                             \
+    }
+
+#define KV_WRITE(T, S, C, SC)                                                                      \
+    extern "C" __global__ void kv_write_##S##_##SC(const T* qkv, const int* slots, int q_len,      \
+                                                   int kv_len, int rl, C* kc, C* vc) {             \
+        kv_write<T, C>(qkv, slots, q_len, kv_len, rl, kc, vc);                                     \
+    }
+
+ELEMENTWISE(float, f32)
+ELEMENTWISE(f16, f16)
+ELEMENTWISE(bf16, bf16)
+KV_WRITE(float, f32, float, f32)
+KV_WRITE(float, f32, f16, f16)
+KV_WRITE(float, f32, bf16, bf16)
+KV_WRITE(f16, f16, float, f32)
+KV_WRITE(f16, f16, f16, f16)
+KV_WRITE(f16, f16, bf16, bf16)
+KV_WRITE(bf16, bf16, float, f32)
+KV_WRITE(bf16, bf16, f16, f16)
+KV_WRITE(bf16, bf16, bf16, bf16)

@@ -1,0 +1,569 @@
+//! The CUDA backend: device buffers, CUDA C kernels compiled by NVRTC at start, GEMMs
+//! through cuBLASLt, all enqueued on one stream. The CUDA libraries are opened at run
+//! time (cudarc's dynamic loading), so this compiles and links without a CUDA toolkit.
+//!
+//! Activations run in the model's dtype (bf16, f16, or f32 for exact comparisons) with f32
+//! accumulation everywhere; matrices are kept in the activation dtype (GGUF blocks are
+//! dequantized at load); the KV cache may be f32, f16 or bf16.
+
+mod gemm;
+mod library;
+mod module;
+
+pub use library::search_dirs;
+pub use module::{compile, PROGRAMS};
+
+use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MemoryInfo, QkvLayout};
+use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::{Arc, Mutex};
+
+/// Splits of a token's context in split-KV attention: enough blocks to fill the GPU at
+/// batch 1, few enough partial results to merge cheaply.
+const NUM_SPLITS: usize = 16;
+/// Fewest tokens one split takes, so short contexts are not cut into slivers.
+const MIN_SPLIT: i32 = 32;
+/// Head sizes the attention kernels are instantiated for.
+const HEAD_DIMS: [usize; 3] = [32, 64, 128];
+/// cuBLASLt's workspace (what it recommends for Hopper).
+const GEMM_WORKSPACE: usize = 32 << 20;
+
+/// Loads the CUDA libraries and NVRTC, for a compile check without a GPU.
+pub fn load_nvrtc() -> Result<()> {
+    library::load(&library::NVRTC)
+}
+
+/// Whether a CUDA device can be used here: the driver loads and reports a GPU.
+pub fn device_count() -> usize {
+    if !library::driver_present() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// A device allocation and what it holds.
+pub struct CudaBuffer {
+    slice: CudaSlice<u8>,
+    ptr: u64,
+    dtype: DType,
+    numel: usize,
+}
+
+impl CudaBuffer {
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Address of element `i`.
+    fn at(&self, i: usize) -> u64 {
+        self.ptr + self.dtype.bytes_for(i) as u64
+    }
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: module::Kernels,
+    gemm: Mutex<gemm::Gemm>,
+    _gemm_workspace: CudaSlice<u8>,
+    /// The first error an enqueued op raised, reported by the next `synchronize`.
+    error: Mutex<Option<anyhow::Error>>,
+    name: String,
+    sm_count: u32,
+}
+
+/// Suffix of kernels instantiated per element type.
+fn suffix(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => panic!("no CUDA kernels for {other} buffers"),
+    }
+}
+
+/// Threads for a row-wise kernel over rows of `dim`: a warp multiple, at most 1024.
+fn row_threads(dim: usize) -> u32 {
+    (dim.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+/// Launches kernel `$name` with the given grid, block size and arguments (locals whose
+/// addresses cudarc passes to the driver).
+macro_rules! launch {
+    ($be:expr, $name:expr, $grid:expr, $block:expr; $($arg:ident),* $(,)?) => {{
+        let name: String = $name;
+        let f = $be.kernels.get(&name);
+        let mut b = $be.stream.launch_builder(&f);
+        $( b.arg(&$arg); )*
+        let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the argument list matches the kernel's signature, and every pointer
+        // addresses a live buffer large enough for the shapes passed beside it.
+        let r = unsafe { b.launch(cfg) };
+        $be.record(r.map(|_| ()).with_context(|| format!("launching {name}")));
+    }};
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`: loads the libraries, compiles (or reads the cached) kernels
+    /// for its architecture and sets up cuBLASLt.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        ensure!(
+            library::driver_present(),
+            "no NVIDIA driver: libcuda.so could not be loaded"
+        );
+        library::load(&library::NVRTC)?;
+        library::load(&library::CUBLAS)?;
+        let count = device_count();
+        ensure!(
+            ordinal < count,
+            "cuda:{ordinal} does not exist ({count} CUDA devices found)"
+        );
+        let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
+        // One stream orders everything; cudarc's per-buffer events would only add work.
+        // SAFETY: no buffer is shared between streams.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability()?;
+        if major < 8 {
+            bail!("the CUDA backend needs compute capability 8.0 or later (bf16 instructions); this GPU has {major}.{minor}");
+        }
+        let arch = format!("sm_{major}{minor}");
+        let stream = ctx.new_stream()?;
+        let kernels = module::Kernels::load(&ctx, &arch)?;
+        let workspace = stream.alloc_zeros::<u8>(GEMM_WORKSPACE)?;
+        let ws_ptr = workspace.device_ptr(&stream).0;
+        let gemm = gemm::Gemm::new(ws_ptr, GEMM_WORKSPACE)?;
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        let name = format!("cuda:{ordinal} ({}, {arch})", ctx.name()?);
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            kernels,
+            gemm: Mutex::new(gemm),
+            _gemm_workspace: workspace,
+            error: Mutex::new(None),
+            name,
+            sm_count,
+        })
+    }
+
+    fn record(&self, r: Result<()>) {
+        if let Err(e) = r {
+            let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                *slot = Some(e);
+            }
+        }
+    }
+
+    /// Blocks for a grid-stride loop over `n` elements.
+    fn grid_for(&self, n: usize) -> u32 {
+        (n.div_ceil(256) as u32).clamp(1, self.sm_count * 8)
+    }
+
+    /// Split-KV attention over rows `[offset, offset + rows)` of the step.
+    #[allow(clippy::too_many_arguments)]
+    fn split_kv(
+        &self,
+        qkv: &CudaBuffer,
+        layout: QkvLayout,
+        offset: usize,
+        rows: usize,
+        meta: &AttentionMetadata<'_, Self>,
+        cache: CacheLayout,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        scale: f32,
+        workspace: &mut CudaBuffer,
+        out: &mut CudaBuffer,
+    ) {
+        let (t, c) = (suffix(qkv.dtype), suffix(k_cache.dtype));
+        let d = layout.head_dim;
+        let group = layout.num_heads / layout.num_kv_heads;
+        let heads_x = (layout.num_kv_heads * group.div_ceil(8)) as u32;
+        let (qkv_p, qsl, sl, bt) = (
+            qkv.ptr,
+            meta.query_start_loc.ptr,
+            meta.seq_lens.ptr,
+            meta.block_tables.ptr,
+        );
+        let (mb, ns, off) = (
+            meta.max_blocks_per_seq as i32,
+            meta.num_seqs as i32,
+            offset as i32,
+        );
+        let (kc, vc, bs) = (k_cache.ptr, v_cache.ptr, cache.block_size as i32);
+        let (nh, nkv, rl, hd) = (
+            layout.num_heads as i32,
+            layout.num_kv_heads as i32,
+            layout.row_len() as i32,
+            d as i32,
+        );
+        let (splits, min_part) = (NUM_SPLITS as i32, MIN_SPLIT);
+        let partials = rows * layout.num_heads * NUM_SPLITS;
+        let ws_o = workspace.ptr;
+        let ws_ml = workspace.at(partials * d);
+        launch!(self, format!("split_kv_attention_{t}_{c}_d{d}"),
+            (heads_x, rows as u32, NUM_SPLITS as u32), 128;
+            qkv_p, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, splits, min_part,
+            ws_o, ws_ml);
+        let o = out.ptr;
+        launch!(self, format!("split_kv_reduce_{t}"),
+            (layout.num_heads as u32, rows as u32, 1), row_threads(d).min(128);
+            qsl, sl, ns, off, nh, hd, splits, min_part, ws_o, ws_ml, o);
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// Floating-point models run in their own dtype; quantized ones in f16, the type of
+    /// their block scales.
+    fn activation_dtype(&self, weights: DType) -> DType {
+        match weights {
+            DType::F32 | DType::F16 | DType::BF16 => weights,
+            _ => DType::F16,
+        }
+    }
+
+    /// cuBLASLt multiplies matrices of the activation dtype.
+    fn weight_dtype(&self, _stored: DType, activation: DType) -> DType {
+        activation
+    }
+
+    fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    fn memory_info(&self) -> Option<MemoryInfo> {
+        let (free, total) = self.ctx.mem_get_info().ok()?;
+        Some(MemoryInfo { free, total })
+    }
+
+    fn alloc(&self, dtype: DType, numel: usize) -> Result<CudaBuffer> {
+        ensure!(
+            !dtype.is_quantized(),
+            "the CUDA backend keeps no {dtype} buffers (quantized weights are converted at load)"
+        );
+        let bytes = dtype.bytes_for(numel).max(1);
+        let slice = self
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .with_context(|| format!("allocating {bytes} bytes on {}", self.name))?;
+        let ptr = slice.device_ptr(&self.stream).0;
+        Ok(CudaBuffer {
+            slice,
+            ptr,
+            dtype,
+            numel,
+        })
+    }
+
+    fn upload(&self, dst: &mut CudaBuffer, bytes: &[u8]) -> Result<()> {
+        ensure!(
+            bytes.len() <= dst.slice.len(),
+            "upload of {} bytes into {} bytes",
+            bytes.len(),
+            dst.slice.len()
+        );
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice.slice_mut(..bytes.len());
+        self.stream.memcpy_htod(bytes, &mut view)?;
+        Ok(())
+    }
+
+    fn download_f32(&self, src: &CudaBuffer, numel: usize) -> Result<Vec<f32>> {
+        let n = src.dtype.bytes_for(numel);
+        let mut host = vec![0u8; n];
+        if n > 0 {
+            self.stream.memcpy_dtoh(&src.slice.slice(..n), &mut host)?;
+        }
+        self.synchronize()?;
+        Ok(match src.dtype {
+            DType::F32 => host
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::F16 => host
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::BF16 => host
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => bail!("cannot read {other} buffers as f32"),
+        })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let synced = self.stream.synchronize();
+        if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(e);
+        }
+        synced.with_context(|| format!("running a step on {}", self.name))
+    }
+
+    fn embedding(
+        &self,
+        table: &CudaBuffer,
+        ids: &CudaBuffer,
+        n: usize,
+        dim: usize,
+        out: &mut CudaBuffer,
+    ) {
+        assert_eq!(table.dtype, out.dtype, "embedding table and output dtypes");
+        let (t, i, d, o) = (table.ptr, ids.ptr, dim as i32, out.ptr);
+        launch!(self, format!("embedding_{}", suffix(out.dtype)), (n as u32, 1, 1), row_threads(dim).min(256); t, i, d, o);
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaBuffer,
+        weight: &CudaBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut CudaBuffer,
+    ) {
+        let (xp, w, d, o) = (x.ptr, weight.ptr, dim as i32, out.ptr);
+        launch!(self, format!("rms_norm_{}", suffix(x.dtype)), (rows as u32, 1, 1), row_threads(dim); xp, w, eps, d, o);
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CudaBuffer,
+        x: &CudaBuffer,
+        weight: &CudaBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut CudaBuffer,
+    ) {
+        let (r, xp, w, d, o) = (residual.ptr, x.ptr, weight.ptr, dim as i32, out.ptr);
+        launch!(self, format!("add_rms_norm_{}", suffix(x.dtype)), (rows as u32, 1, 1), row_threads(dim); r, xp, w, eps, d, o);
+    }
+
+    fn matmul(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: MatmulOut<'_, Self>,
+    ) {
+        assert_eq!(x.dtype, w.dtype, "matmul operands must share a dtype");
+        assert_eq!(w.numel, n * k, "weight is not [{n}, {k}]");
+        let MatmulOut {
+            buf,
+            row_stride: ld,
+            col_offset,
+        } = out;
+        assert!(
+            col_offset + n <= ld && (m == 0 || buf.numel >= (m - 1) * ld + col_offset + n),
+            "matmul output too small"
+        );
+        if m == 0 {
+            return;
+        }
+        let out_ptr = buf.at(col_offset);
+        let align = [x.ptr, w.ptr, out_ptr, bias.map_or(256, |b| b.ptr)]
+            .iter()
+            .map(|p| 1usize << p.trailing_zeros().min(8))
+            .min()
+            .unwrap_or(1);
+        let shape = gemm::Shape {
+            x: x.dtype,
+            w: w.dtype,
+            out: buf.dtype,
+            m,
+            n,
+            k,
+            ld,
+            bias: bias.is_some(),
+            align,
+        };
+        let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+        let mut gemm = self.gemm.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the shape was checked against the buffers above.
+        let applied =
+            unsafe { gemm.matmul(shape, x.ptr, w.ptr, bias.map(|b| b.ptr), out_ptr, stream) };
+        drop(gemm);
+        match (applied, bias) {
+            (Ok(false), Some(b)) => {
+                let (o, bp, nn, ldl) = (out_ptr, b.ptr, n as i32, ld as i64);
+                launch!(self, format!("bias_add_{}", suffix(buf.dtype)), (m as u32, 1, 1), row_threads(n).min(256); o, bp, nn, ldl);
+            }
+            (r, _) => self.record(r.map(|_| ())),
+        }
+    }
+
+    fn add_assign(&self, acc: &mut CudaBuffer, x: &CudaBuffer, numel: usize) {
+        let (a, xp, n) = (acc.ptr, x.ptr, numel as i64);
+        launch!(self, format!("add_assign_{}", suffix(x.dtype)), (self.grid_for(numel), 1, 1), 256; a, xp, n);
+    }
+
+    fn silu_mul(&self, gate_up: &CudaBuffer, rows: usize, ffn: usize, out: &mut CudaBuffer) {
+        let (g, r, f, o) = (gate_up.ptr, rows as i64, ffn as i32, out.ptr);
+        launch!(self, format!("silu_mul_{}", suffix(out.dtype)), (self.grid_for(rows * ffn), 1, 1), 256; g, r, f, o);
+    }
+
+    fn qk_norm(
+        &self,
+        qkv: &mut CudaBuffer,
+        layout: QkvLayout,
+        rows: usize,
+        q_weight: &CudaBuffer,
+        k_weight: &CudaBuffer,
+        eps: f32,
+    ) {
+        let (q, nh, nkv, hd, rl) = (
+            qkv.ptr,
+            layout.num_heads as i32,
+            layout.num_kv_heads as i32,
+            layout.head_dim as i32,
+            layout.row_len() as i32,
+        );
+        let (qw, kw) = (q_weight.ptr, k_weight.ptr);
+        let heads = (layout.num_heads + layout.num_kv_heads) as u32;
+        launch!(self, format!("qk_norm_{}", suffix(qkv.dtype)), (rows as u32, heads, 1), 32; q, nh, nkv, hd, rl, qw, kw, eps);
+    }
+
+    fn rope(
+        &self,
+        qkv: &mut CudaBuffer,
+        layout: QkvLayout,
+        positions: &CudaBuffer,
+        rows: usize,
+        cos_sin: &CudaBuffer,
+        rotary_dim: usize,
+    ) {
+        let heads = layout.num_heads + layout.num_kv_heads;
+        let (q, p, cs, h, hd, rd, rl) = (
+            qkv.ptr,
+            positions.ptr,
+            cos_sin.ptr,
+            heads as i32,
+            layout.head_dim as i32,
+            rotary_dim as i32,
+            layout.row_len() as i32,
+        );
+        launch!(self, format!("rope_{}", suffix(qkv.dtype)), (rows as u32, 1, 1), row_threads(heads * rotary_dim / 2).min(256); q, p, cs, h, hd, rd, rl);
+    }
+
+    fn kv_write(
+        &self,
+        qkv: &CudaBuffer,
+        layout: QkvLayout,
+        slot_mapping: &CudaBuffer,
+        rows: usize,
+        cache: CacheLayout,
+        k_cache: &mut CudaBuffer,
+        v_cache: &mut CudaBuffer,
+    ) {
+        let slots = cache.num_blocks * cache.block_size;
+        assert!(
+            k_cache.numel >= slots * layout.kv_len(),
+            "KV cache smaller than its layout"
+        );
+        let (q, s, ql, kvl, rl, kc, vc) = (
+            qkv.ptr,
+            slot_mapping.ptr,
+            layout.q_len() as i32,
+            layout.kv_len() as i32,
+            layout.row_len() as i32,
+            k_cache.ptr,
+            v_cache.ptr,
+        );
+        launch!(self,
+            format!("kv_write_{}_{}", suffix(qkv.dtype), suffix(k_cache.dtype)),
+            (rows as u32, 1, 1), row_threads(layout.kv_len()).min(256);
+            q, s, ql, kvl, rl, kc, vc);
+    }
+
+    fn attention_workspace_len(&self, layout: QkvLayout, max_seqs: usize) -> usize {
+        max_seqs * layout.num_heads * NUM_SPLITS * (layout.head_dim + 2)
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &CudaBuffer,
+        layout: QkvLayout,
+        rows: usize,
+        meta: &AttentionMetadata<'_, Self>,
+        cache: CacheLayout,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        scale: f32,
+        workspace: &mut CudaBuffer,
+        out: &mut CudaBuffer,
+    ) {
+        let d = layout.head_dim;
+        assert!(
+            HEAD_DIMS.contains(&d),
+            "the CUDA attention kernels take head_dim {HEAD_DIMS:?}, not {d}"
+        );
+        let tensor_cores = matches!(qkv.dtype, DType::F16 | DType::BF16)
+            && k_cache.dtype == qkv.dtype
+            && meta.max_query_len > 1;
+        if tensor_cores {
+            let t = suffix(qkv.dtype);
+            let (q, qsl, sl, bt) = (
+                qkv.ptr,
+                meta.query_start_loc.ptr,
+                meta.seq_lens.ptr,
+                meta.block_tables.ptr,
+            );
+            let (mb, ns) = (meta.max_blocks_per_seq as i32, meta.num_seqs as i32);
+            let (kc, vc, bs) = (k_cache.ptr, v_cache.ptr, cache.block_size as i32);
+            let (nh, nkv, rl) = (
+                layout.num_heads as i32,
+                layout.num_kv_heads as i32,
+                layout.row_len() as i32,
+            );
+            let o = out.ptr;
+            let tiles = (rows / 64 + meta.num_seqs) as u32;
+            launch!(self, format!("prefill_attention_{t}_d{d}"),
+                (tiles, layout.num_heads as u32, 1), 128;
+                q, qsl, sl, bt, mb, ns, kc, vc, bs, nh, nkv, rl, scale, o);
+            return;
+        }
+        // Split-KV over as many rows at a time as the workspace holds partials for.
+        let per_row = layout.num_heads * NUM_SPLITS * (d + 2);
+        let chunk = workspace.numel / per_row;
+        assert!(chunk > 0, "attention workspace too small");
+        let mut offset = 0;
+        while offset < rows {
+            let n = chunk.min(rows - offset);
+            self.split_kv(
+                qkv, layout, offset, n, meta, cache, k_cache, v_cache, scale, workspace, out,
+            );
+            offset += n;
+        }
+    }
+
+    fn gather_rows(
+        &self,
+        x: &CudaBuffer,
+        indices: &CudaBuffer,
+        n: usize,
+        dim: usize,
+        out: &mut CudaBuffer,
+    ) {
+        let (xp, i, d, o) = (x.ptr, indices.ptr, dim as i32, out.ptr);
+        launch!(self, format!("gather_rows_{}", suffix(x.dtype)), (n as u32, 1, 1), row_threads(dim).min(256); xp, i, d, o);
+    }
+}

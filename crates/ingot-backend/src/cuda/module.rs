@@ -1,0 +1,183 @@
+//! The CUDA C kernels: embedded sources compiled by NVRTC for the device's architecture at
+//! start, with the cubins cached on disk by source hash and architecture.
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{sys as nvrtc_sys, Ptx};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// Each program compiles on its own thread; `common.cuh` is prepended to each.
+pub const PROGRAMS: [(&str, &str); 2] = [
+    ("elementwise", include_str!("kernels/elementwise.cu")),
+    ("attention", include_str!("kernels/attention.cu")),
+];
+
+/// FNV-1a: a hash that stays the same across Rust releases, for cache file names.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for &b in *part {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        h = (h ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain out-parameters.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| anyhow!("nvrtcVersion: {e:?}"))?;
+    Ok((major, minor))
+}
+
+fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "--extra-device-vectorization".into(),
+    ]
+}
+
+/// Compiles one program to a cubin for `arch` (e.g. `sm_90`).
+pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+    let src = CString::new(format!("{COMMON}\n{source}"))?;
+    let cname = CString::new(format!("{name}.cu"))?;
+    let opts: Vec<CString> = options(arch)
+        .into_iter()
+        .map(CString::new)
+        .collect::<Result<_, _>>()?;
+    let opt_ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+    let mut prog = std::ptr::null_mut();
+    // SAFETY: the strings outlive the program, which is destroyed before returning.
+    unsafe {
+        nvrtc_sys::nvrtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            cname.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+        .result()
+        .map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+        let compiled =
+            nvrtc_sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
+        let result = if compiled.result().is_err() {
+            let mut size = 0usize;
+            nvrtc_sys::nvrtcGetProgramLogSize(prog, &mut size);
+            let mut log = vec![0u8; size.max(1)];
+            nvrtc_sys::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
+            let log = CStr::from_bytes_until_nul(&log)
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            Err(anyhow!(
+                "NVRTC could not compile {name}.cu for {arch}:\n{log}"
+            ))
+        } else {
+            let mut size = 0usize;
+            nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                .result()
+                .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
+            let mut cubin = vec![0u8; size];
+            nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                .result()
+                .map_err(|e| anyhow!("nvrtcGetCUBIN: {e:?}"))
+                .map(|_| cubin)
+        };
+        nvrtc_sys::nvrtcDestroyProgram(&mut prog);
+        result
+    }
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("INGOT_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/ingot")))
+        .unwrap_or_else(|| std::env::temp_dir().join("ingot"))
+        .join("kernels")
+}
+
+/// A program's cubin from the disk cache, or compiled and stored there.
+fn cubin(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+    let (major, minor) = nvrtc_version()?;
+    let version = format!("{major}.{minor}");
+    let opts = options(arch).join(" ");
+    let key = fnv1a(&[
+        COMMON.as_bytes(),
+        source.as_bytes(),
+        opts.as_bytes(),
+        version.as_bytes(),
+    ]);
+    let path = cache_dir().join(format!("{name}-{key:016x}-{arch}.cubin"));
+    if let Ok(bytes) = std::fs::read(&path) {
+        return Ok(bytes);
+    }
+    let start = std::time::Instant::now();
+    let bytes = compile(name, source, arch)?;
+    tracing::info!(
+        "compiled {name}.cu for {arch} with NVRTC {version} in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    // A cache that cannot be written only costs the next start a compile.
+    let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+    if std::fs::create_dir_all(cache_dir()).is_ok() && std::fs::write(&tmp, &bytes).is_ok() {
+        let _ = std::fs::rename(&tmp, &path);
+    }
+    Ok(bytes)
+}
+
+/// The kernels of every program, loaded on one context; functions are looked up by name
+/// on first use.
+pub struct Kernels {
+    modules: Vec<Arc<CudaModule>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Kernels> {
+        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = PROGRAMS
+                .iter()
+                .map(|&(name, src)| s.spawn(move || cubin(name, src, arch)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| bail!("NVRTC panicked")))
+                .collect()
+        });
+        let mut modules = vec![];
+        for ((name, _), bin) in PROGRAMS.iter().zip(cubins) {
+            let module = ctx
+                .load_module(Ptx::from_binary(bin?))
+                .with_context(|| format!("loading the {name} kernels"))?;
+            modules.push(module);
+        }
+        Ok(Kernels {
+            modules,
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The kernel `name`; a missing name is a programming error.
+    pub fn get(&self, name: &str) -> CudaFunction {
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(name) {
+            return f.clone();
+        }
+        let f = self
+            .modules
+            .iter()
+            .find_map(|m| m.load_function(name).ok())
+            .unwrap_or_else(|| panic!("no CUDA kernel named {name}"));
+        functions.insert(name.to_string(), f.clone());
+        f
+    }
+}

@@ -1,0 +1,114 @@
+//! `--load-format dummy`: every weight a model of a config would have, filled with
+//! reproducible random values (a hash of the tensor and the element index), so GPU
+//! benchmarks at real shapes need no download. The values keep activations in range:
+//! matrices are scaled by 1/sqrt(fan-in), norms sit near 1.
+
+use crate::checkpoint::{HostTensor, Role};
+use crate::config::ModelConfig;
+use half::{bf16, f16};
+use ingot_backend::DType;
+use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// The shape of `role` in `cfg`, or `None` when this model has no such weight.
+fn shape(role: Role, cfg: &ModelConfig) -> Option<Vec<usize>> {
+    let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (q, kv, hd) = (cfg.q_size(), cfg.kv_size(), cfg.head_dim);
+    Some(match role {
+        Role::Embed => vec![v, d],
+        Role::LmHead if cfg.tie_word_embeddings => return None,
+        Role::LmHead => vec![v, d],
+        Role::FinalNorm | Role::AttnNorm | Role::FfnNorm => vec![d],
+        Role::Q => vec![q, d],
+        Role::K | Role::V => vec![kv, d],
+        Role::O => vec![d, q],
+        Role::QBias if cfg.qkv_bias => vec![q],
+        Role::KBias | Role::VBias if cfg.qkv_bias => vec![kv],
+        Role::QNorm | Role::KNorm if cfg.qk_norm => vec![hd],
+        Role::QBias | Role::KBias | Role::VBias | Role::QNorm | Role::KNorm => return None,
+        Role::Gate | Role::Up => vec![f, d],
+        Role::Down => vec![d, f],
+    })
+}
+
+const LAYER_ROLES: [Role; 14] = [
+    Role::AttnNorm,
+    Role::Q,
+    Role::K,
+    Role::V,
+    Role::O,
+    Role::QBias,
+    Role::KBias,
+    Role::VBias,
+    Role::QNorm,
+    Role::KNorm,
+    Role::FfnNorm,
+    Role::Gate,
+    Role::Up,
+    Role::Down,
+];
+
+pub fn tensor_count(cfg: &ModelConfig) -> usize {
+    let per_layer = LAYER_ROLES
+        .iter()
+        .filter(|&&r| shape(r, cfg).is_some())
+        .count();
+    let global = [Role::Embed, Role::FinalNorm, Role::LmHead]
+        .iter()
+        .filter(|&&r| shape(r, cfg).is_some())
+        .count();
+    global + per_layer * cfg.num_layers
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Uniform in [-1, 1), a pure function of the tensor's seed and the index.
+fn uniform(seed: u64, i: usize) -> f32 {
+    let bits = splitmix64(seed ^ splitmix64(i as u64)) >> 40;
+    bits as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+pub fn tensor(
+    role: Role,
+    layer: usize,
+    cfg: &ModelConfig,
+    dtype: DType,
+) -> Option<HostTensor<'static>> {
+    let shape = shape(role, cfg)?;
+    let n: usize = shape.iter().product();
+    let (offset, scale) = match role {
+        Role::FinalNorm | Role::AttnNorm | Role::FfnNorm | Role::QNorm | Role::KNorm => (1.0, 0.1),
+        Role::QBias | Role::KBias | Role::VBias => (0.0, 0.1),
+        Role::Embed => (0.0, 1.0),
+        _ => (0.0, (3.0 / shape[1] as f32).sqrt()),
+    };
+    let seed = splitmix64(((role as u64) << 32) ^ layer as u64);
+    let value = |i: usize| offset + scale * uniform(seed, i);
+    // 1-D weights are read as f32 (norms, biases); matrices come in the config's dtype.
+    let dtype = if shape.len() == 1 { DType::F32 } else { dtype };
+    let width = dtype.bytes_for(1);
+    let mut data = vec![0u8; n * width];
+    data.par_chunks_mut(width << 16)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let base = c << 16;
+            for (j, out) in chunk.chunks_exact_mut(width).enumerate() {
+                let v = value(base + j);
+                match dtype {
+                    DType::BF16 => out.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                    DType::F16 => out.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                    _ => out.copy_from_slice(&v.to_le_bytes()),
+                }
+            }
+        });
+    Some(HostTensor {
+        dtype,
+        shape,
+        data: Cow::Owned(data),
+    })
+}

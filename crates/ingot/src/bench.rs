@@ -1,0 +1,215 @@
+//! `ingot bench latency`: a fixed batch of random prompts run to a fixed length, timed from
+//! the engine's own steps. Every figure is measured: time to first token and end-to-end per
+//! request, time per output token between a request's first and last token, prefill
+//! throughput up to the batch's last first token, and decode throughput over the steps
+//! that ran decodes only.
+
+use crate::device::{ModelArgs, OnBackend};
+use crate::generate::{EngineArgs, Format};
+use anyhow::{ensure, Result};
+use ingot_backend::Backend;
+use ingot_core::SamplingParams;
+use ingot_engine::Engine;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// Time a fixed batch: TTFT, TPOT, end-to-end, prefill and decode throughput.
+    Latency(LatencyArgs),
+}
+
+#[derive(clap::Args)]
+pub struct LatencyArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Prompt tokens per request (random ids).
+    #[arg(long, default_value_t = 32)]
+    input_len: usize,
+    /// Tokens generated per request (EOS is ignored).
+    #[arg(long, default_value_t = 128)]
+    output_len: usize,
+    /// Untimed batches run first.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Timed batches.
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    #[arg(long, value_enum, default_value = "text")]
+    format: Format,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+pub fn run(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Latency(args) => args.model.clone().on_backend(args),
+    }
+}
+
+/// One timed batch.
+struct Iteration {
+    ttft: Vec<Duration>,
+    e2e: Vec<Duration>,
+    /// Time from each request's first token to its last, over the tokens between.
+    tpot: Vec<Duration>,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+}
+
+fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+fn summary(values: &[f64]) -> serde_json::Value {
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    json!({
+        "mean": mean,
+        "median": percentile(values, 50.0),
+        "p99": percentile(values, 99.0),
+        "min": values.iter().cloned().fold(f64::INFINITY, f64::min),
+        "max": values.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+    })
+}
+
+fn ms(d: &[Duration]) -> Vec<f64> {
+    d.iter().map(|d| d.as_secs_f64() * 1e3).collect()
+}
+
+impl OnBackend for LatencyArgs {
+    type Output = ();
+    fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
+        latency(self, backend)
+    }
+}
+
+fn batch<B: Backend>(
+    engine: &mut Engine<B>,
+    args: &LatencyArgs,
+    rng: &mut StdRng,
+    vocab: u32,
+    base: u64,
+) -> Result<Iteration> {
+    let (b, input, output) = (args.batch_size, args.input_len, args.output_len);
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(output)
+    };
+    for i in 0..b {
+        let prompt = (0..input).map(|_| rng.random_range(0..vocab)).collect();
+        engine.add_request(base + i as u64, prompt, params.clone())?;
+    }
+    let start = Instant::now();
+    let (mut first, mut last) = (vec![None; b], vec![Duration::ZERO; b]);
+    let (mut decode_tokens, mut decode_time) = (0usize, Duration::ZERO);
+    while engine.has_work() {
+        let t = Instant::now();
+        let deltas = engine.step()?;
+        let took = t.elapsed();
+        let info = engine.last_step();
+        if info.prefill_tokens == 0 {
+            decode_tokens += info.decode_tokens;
+            decode_time += took;
+        }
+        let now = start.elapsed();
+        for d in deltas {
+            let i = (d.request_id - base) as usize;
+            first[i].get_or_insert(now);
+            last[i] = now;
+        }
+    }
+    let ttft: Vec<Duration> = first
+        .into_iter()
+        .map(|f| f.expect("every request produced a token"))
+        .collect();
+    let prefill_end = ttft.iter().max().copied().unwrap_or_default();
+    let tpot = ttft
+        .iter()
+        .zip(&last)
+        .map(|(&f, &l)| (l - f) / (output.max(2) - 1) as u32)
+        .collect();
+    Ok(Iteration {
+        prefill_tok_s: (b * input) as f64 / prefill_end.as_secs_f64(),
+        decode_tok_s: decode_tokens as f64 / decode_time.as_secs_f64().max(f64::MIN_POSITIVE),
+        ttft,
+        e2e: last,
+        tpot,
+    })
+}
+
+fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
+    ensure!(
+        args.batch_size > 0 && args.input_len > 0 && args.output_len > 0 && args.iters > 0,
+        "--batch-size, --input-len, --output-len and --iters must be at least 1"
+    );
+    let device = backend.name();
+    let (model, tokenizer) = args.model.load(&backend)?;
+    let vocab = model.config.vocab_size as u32;
+    let mut engine = Engine::new(backend, model, Arc::new(tokenizer), args.engine.config())?;
+    let mut rng = StdRng::seed_from_u64(0);
+    let mut timed = vec![];
+    for i in 0..args.warmup + args.iters {
+        let it = batch(
+            &mut engine,
+            &args,
+            &mut rng,
+            vocab,
+            (i * args.batch_size) as u64,
+        )?;
+        if i >= args.warmup {
+            timed.push(it);
+        }
+    }
+    let all = |f: fn(&Iteration) -> &Vec<Duration>| -> Vec<f64> {
+        timed.iter().flat_map(|it| ms(f(it))).collect()
+    };
+    let (ttft, tpot, e2e) = (all(|i| &i.ttft), all(|i| &i.tpot), all(|i| &i.e2e));
+    let prefill: Vec<f64> = timed.iter().map(|i| i.prefill_tok_s).collect();
+    let decode: Vec<f64> = timed.iter().map(|i| i.decode_tok_s).collect();
+    let report = json!({
+        "device": device,
+        "model": args.model.model,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "iters": args.iters,
+        "ttft_ms": summary(&ttft),
+        "tpot_ms": summary(&tpot),
+        "e2e_ms": summary(&e2e),
+        "prefill_tok_s": summary(&prefill),
+        "decode_tok_s": summary(&decode),
+    });
+    match args.format {
+        Format::Json => println!("{report}"),
+        Format::Text => {
+            println!(
+                "{device}: batch {} x {} prompt tokens -> {} tokens, {} iterations",
+                args.batch_size, args.input_len, args.output_len, args.iters
+            );
+            for (name, key) in [
+                ("TTFT (ms)", "ttft_ms"),
+                ("TPOT (ms)", "tpot_ms"),
+                ("end-to-end (ms)", "e2e_ms"),
+                ("prefill (tok/s)", "prefill_tok_s"),
+                ("decode (tok/s)", "decode_tok_s"),
+            ] {
+                let s = &report[key];
+                println!(
+                    "  {name:<16} median {:>10.2}  p99 {:>10.2}  mean {:>10.2}",
+                    s["median"].as_f64().unwrap_or(0.0),
+                    s["p99"].as_f64().unwrap_or(0.0),
+                    s["mean"].as_f64().unwrap_or(0.0)
+                );
+            }
+        }
+    }
+    Ok(())
+}
