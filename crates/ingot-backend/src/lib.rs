@@ -13,6 +13,17 @@ pub mod quant;
 
 pub use dtype::DType;
 
+/// Index of the largest value, the first among equals (as `torch.argmax`).
+pub fn first_argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// How the fused QKV projection output is laid out: each token row holds
 /// `num_heads` query heads, then `num_kv_heads` key heads, then `num_kv_heads` value heads,
 /// each `head_dim` wide.
@@ -116,6 +127,25 @@ pub trait Backend: Send + Sync {
     fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
+
+    /// Runs the ops `record` enqueues as one recorded command stream kept under `key`: a
+    /// GPU captures them (a CUDA graph) on the first call and replays the capture on every
+    /// later call with the key, without calling `record`. So every call with a key must
+    /// enqueue the same ops on the same buffers with the same shapes; only the contents of
+    /// the buffers may differ. Backends without recording run `record` each time.
+    fn run_recorded(&self, _key: u64, record: &mut (dyn FnMut() + Send)) -> anyhow::Result<()> {
+        self.run_step(record);
+        Ok(())
+    }
+
+    /// Whether [`Backend::run_recorded`] replays captures; when it does, decode steps are
+    /// padded to a few batch sizes so that each size is captured once.
+    fn records_steps(&self) -> bool {
+        false
+    }
+
+    /// Copies `n` i32 values back to the host.
+    fn download_i32(&self, src: &Self::Buffer, n: usize) -> anyhow::Result<Vec<i32>>;
 
     /// `out[i] = table[ids[i]]` (rows of `dim`, dequantized to f32).
     fn embedding(
@@ -232,6 +262,10 @@ pub trait Backend: Send + Sync {
         workspace: &mut Self::Buffer,
         out: &mut Self::Buffer,
     );
+
+    /// `out[r] = argmax(logits[r, ..vocab])` as i32 for f32 `logits`: the first index of the
+    /// largest value, as `torch.argmax` picks it.
+    fn argmax(&self, logits: &Self::Buffer, rows: usize, vocab: usize, out: &mut Self::Buffer);
 
     /// `out[i] = x[indices[i]]` for rows of `dim`.
     fn gather_rows(

@@ -600,3 +600,12 @@ fn paged_attention_matches_dense_causal_attention_on_mixed_batches() {
         );
     }
 }
+
+#[test]
+fn argmax_takes_the_first_maximum() {
+    let b = backend();
+    let logits = [1.0, 3.0, 3.0, -1.0, 0.0, 0.0, 0.0, 0.0, 2.0, -5.0, 7.0, 7.0];
+    let mut out = b.alloc(DType::I32, 3).unwrap();
+    b.argmax(&f32_buf(&b, &logits), 3, 4, &mut out);
+    assert_eq!(b.download_i32(&out, 3).unwrap(), [1, 0, 2]);
+}

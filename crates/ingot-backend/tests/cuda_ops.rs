@@ -716,3 +716,63 @@ fn decode_attention_does_not_depend_on_the_batch() {
         assert_eq!(together[..n], alone[..], "context {first}");
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn argmax_picks_the_first_maximum_like_the_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = StdRng::seed_from_u64(6);
+    for vocab in [1, 2, 1000, 1023, 1025, 128256, 151936] {
+        let rows = 5;
+        let mut logits = randn(&mut rng, rows * vocab);
+        // Ties: row 1 repeats its maximum later; row 2 is all equal; row 3 is all -inf.
+        if vocab > 3 {
+            let m = logits[vocab..2 * vocab]
+                .iter()
+                .cloned()
+                .fold(f32::MIN, f32::max);
+            logits[vocab + vocab / 2] = m;
+            logits[vocab + vocab - 1] = m;
+            logits[2 * vocab..3 * vocab]
+                .iter_mut()
+                .for_each(|v| *v = 0.5);
+            logits[3 * vocab..4 * vocab]
+                .iter_mut()
+                .for_each(|v| *v = f32::NEG_INFINITY);
+        }
+        let mut out = g.alloc(DType::I32, rows).unwrap();
+        g.argmax(&up(&g, &logits, DType::F32), rows, vocab, &mut out);
+        let mut want = c.alloc(DType::I32, rows).unwrap();
+        c.argmax(&up(&c, &logits, DType::F32), rows, vocab, &mut want);
+        assert_eq!(
+            g.download_i32(&out, rows).unwrap(),
+            c.download_i32(&want, rows).unwrap(),
+            "vocab {vocab}"
+        );
+    }
+}
+
+/// A recorded (graph) replay computes what the ops compute eagerly, on new buffer contents.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn recorded_steps_replay_on_new_inputs() {
+    let g = gpu();
+    let mut rng = StdRng::seed_from_u64(7);
+    let (rows, dim) = (4, 576);
+    let w = up(&g, &randn(&mut rng, dim), DType::F32);
+    let mut x = g.alloc(DType::BF16, rows * dim).unwrap();
+    let mut out = g.alloc(DType::BF16, rows * dim).unwrap();
+    let mut eager = g.alloc(DType::BF16, rows * dim).unwrap();
+    for round in 0..3 {
+        let v = randn(&mut rng, rows * dim);
+        g.upload(&mut x, &bytes(&v, DType::BF16)).unwrap();
+        g.run_recorded(7, &mut || g.rms_norm(&x, &w, 1e-5, rows, dim, &mut out))
+            .unwrap();
+        g.rms_norm(&x, &w, 1e-5, rows, dim, &mut eager);
+        assert_eq!(
+            g.download_f32(&out, rows * dim).unwrap(),
+            g.download_f32(&eager, rows * dim).unwrap(),
+            "round {round}"
+        );
+    }
+}

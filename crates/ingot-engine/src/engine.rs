@@ -31,6 +31,8 @@ pub struct EngineConfig {
     /// weights and activations leave of it.
     pub gpu_memory_utilization: f64,
     pub prefix_caching: bool,
+    /// Run decode steps op by op instead of replaying recorded (CUDA graph) steps.
+    pub enforce_eager: bool,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +46,7 @@ impl Default for EngineConfig {
             kv_cache_dtype: None,
             gpu_memory_utilization: 0.9,
             prefix_caching: true,
+            enforce_eager: false,
         }
     }
 }
@@ -97,11 +100,13 @@ struct SeqState {
     queue_time: Option<Duration>,
 }
 
-/// What the last step ran: prompt tokens (including recomputed ones) and decode tokens.
+/// What the last step ran: prompt tokens (including recomputed ones) and decode tokens,
+/// and how long the model runner took (uploads, the device's work, the read-back).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepInfo {
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
+    pub execute: Duration,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -217,6 +222,7 @@ impl<B: Backend> Engine<B> {
                 block_size: config.block_size,
                 num_blocks,
                 kv_cache_dtype: kv_dtype,
+                enforce_eager: config.enforce_eager,
             },
         )?;
         let scheduler = Scheduler::new(SchedulerConfig {
@@ -397,18 +403,34 @@ impl<B: Backend> Engine<B> {
                 st.queue_time = Some(arrival.elapsed());
             }
         }
-        let logits = self.runner.execute(&input)?;
+        // Plain greedy rows need only their argmax, which the device sends back alone.
+        let greedy = sampled.iter().all(|id| {
+            let seq = self.scheduler.get(*id).expect("sampled sequences run");
+            self.seqs[id].sampler.is_plain_greedy(seq.num_output())
+        });
+        let started = Instant::now();
+        let picked = if greedy {
+            Sampled::Tokens(self.runner.execute_greedy(&input)?)
+        } else {
+            Sampled::Logits(self.runner.execute(&input)?)
+        };
+        self.last_step.execute = started.elapsed();
         let ready = self.scheduler.commit(&out);
         debug_assert_eq!(ready, sampled);
         let vocab = self.runner.vocab_size();
         let mut deltas = Vec::with_capacity(sampled.len());
         for (k, id) in sampled.into_iter().enumerate() {
-            let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
             let seq = self.scheduler.get(id).expect("sampled sequences run");
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
-            let (token, logprobs) = state
-                .sampler
-                .sample(&mut row, &seq.tokens, seq.num_output());
+            let (token, logprobs) = match &picked {
+                Sampled::Tokens(ids) => (ids[k], None),
+                Sampled::Logits(logits) => {
+                    let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
+                    state
+                        .sampler
+                        .sample(&mut row, &seq.tokens, seq.num_output())
+                }
+            };
             self.scheduler.append(id, token);
             let seq = self.scheduler.get(id).expect("still running");
             let delta = Self::advance(&self.tokenizer, state, seq, token, logprobs)?;
@@ -517,6 +539,12 @@ impl<B: Backend> Engine<B> {
         }
         Ok(outputs)
     }
+}
+
+/// What a step brings back: greedy tokens picked on the device, or the sampled rows' logits.
+enum Sampled {
+    Tokens(Vec<u32>),
+    Logits(Vec<f32>),
 }
 
 /// Byte offset of the earliest stop string that ends after `from`, if any.

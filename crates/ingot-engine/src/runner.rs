@@ -33,6 +33,8 @@ pub struct RunnerConfig {
     pub block_size: usize,
     pub num_blocks: usize,
     pub kv_cache_dtype: DType,
+    /// Run every step op by op, without recorded (CUDA graph) decode steps.
+    pub enforce_eager: bool,
 }
 
 pub struct ModelRunner<B: Backend> {
@@ -42,6 +44,10 @@ pub struct ModelRunner<B: Backend> {
     acts: Activations<B>,
     kv: KvCache<B>,
     step: StepBuffers<B>,
+    /// i32 `[max_num_seqs]`: the greedy token of each sampled row.
+    greedy: B::Buffer,
+    /// Decode batch sizes that have run once, so their next step may be recorded.
+    warm_buckets: Vec<usize>,
 }
 
 fn upload_u32<B: Backend>(b: &B, buf: &mut B::Buffer, v: &[u32]) -> Result<()> {
@@ -105,6 +111,7 @@ impl<B: Backend> ModelRunner<B> {
             t,
             acts.bytes as f64 / (1 << 20) as f64
         );
+        let greedy = backend.alloc(DType::I32, s)?;
         Ok(ModelRunner {
             backend,
             model,
@@ -112,6 +119,8 @@ impl<B: Backend> ModelRunner<B> {
             acts,
             kv,
             step,
+            greedy,
+            warm_buckets: vec![],
         })
     }
 
@@ -121,6 +130,22 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Runs one step and returns `[logits_indices.len(), vocab]` logits.
     pub fn execute(&mut self, input: &StepInput) -> Result<Vec<f32>> {
+        self.run(input)?;
+        let n = input.logits_indices.len() * self.vocab_size();
+        self.backend.download_f32(&self.acts.logits, n)
+    }
+
+    /// Runs one step and returns the greedy token of each row of `logits_indices`, picked
+    /// on the device so that only the ids come back.
+    pub fn execute_greedy(&mut self, input: &StepInput) -> Result<Vec<u32>> {
+        self.run(input)?;
+        let ids = self
+            .backend
+            .download_i32(&self.greedy, input.logits_indices.len())?;
+        Ok(ids.into_iter().map(|t| t as u32).collect())
+    }
+
+    fn validate(&self, input: &StepInput) -> Result<()> {
         let n = input.token_ids.len();
         let s = input.seq_lens.len();
         let c = &self.config;
@@ -158,6 +183,10 @@ impl<B: Backend> ModelRunner<B> {
             input.logits_indices.len() <= c.max_num_seqs,
             "more logits rows than sequences"
         );
+        ensure!(
+            input.logits_indices.iter().all(|&i| (i as usize) < n),
+            "logits row outside the step"
+        );
         let vocab = self.model.config.vocab_size as u32;
         ensure!(
             input.token_ids.iter().all(|&t| t < vocab),
@@ -183,37 +212,126 @@ impl<B: Backend> ModelRunner<B> {
                 .all(|&x| (x as usize) < c.num_blocks),
             "block outside the KV cache"
         );
+        Ok(())
+    }
 
-        // Re-lay the tables at the stride the device buffer was sized for.
+    /// The CUDA-graph batch size a decode-only step of `seqs` sequences pads to, if any.
+    fn graph_bucket(&self, input: &StepInput) -> Option<usize> {
+        let s = input.seq_lens.len();
+        let decode_only = input.token_ids.len() == s
+            && input.logits_indices.len() == s
+            && input
+                .logits_indices
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == i);
+        if self.config.enforce_eager || !decode_only || !self.backend.records_steps() {
+            return None;
+        }
+        let c = &self.config;
+        graph_buckets(c.max_num_seqs.min(c.max_num_batched_tokens))
+            .into_iter()
+            .find(|&b| b >= s)
+    }
+
+    /// Validates, uploads and runs a step: logits of the sampled rows in `acts.logits` and
+    /// their greedy tokens in `greedy`.
+    fn run(&mut self, input: &StepInput) -> Result<()> {
+        self.validate(input)?;
+        let bucket = self.graph_bucket(input);
+        let (s, n) = (input.seq_lens.len(), input.token_ids.len());
+        // Decode steps pad to their bucket with one-token sequences whose key and value are
+        // not kept (slot -1) and that attend to themselves only.
+        let rows = bucket.unwrap_or(s);
+        let pad = rows - s;
         let stride = self.step.max_blocks_per_seq;
-        let mut tables = vec![0u32; s * stride];
+        let mut tables = vec![0u32; rows * stride];
         for (dst, src) in tables
             .chunks_mut(stride)
             .zip(input.block_tables.chunks(input.max_blocks_per_seq.max(1)))
         {
             dst[..src.len()].copy_from_slice(src);
         }
+        let padded = |v: &[u32], fill: &dyn Fn(usize) -> u32| -> Vec<u32> {
+            v.iter().copied().chain((0..pad).map(fill)).collect()
+        };
         let b = &self.backend;
         let st = &mut self.step;
-        upload_u32(b, &mut st.token_ids, &input.token_ids)?;
-        upload_u32(b, &mut st.positions, &input.positions)?;
-        upload_u32(b, &mut st.slot_mapping, &input.slot_mapping)?;
-        upload_u32(b, &mut st.query_start_loc, &input.query_start_loc)?;
-        upload_u32(b, &mut st.seq_lens, &input.seq_lens)?;
+        upload_u32(b, &mut st.token_ids, &padded(&input.token_ids, &|_| 0))?;
+        upload_u32(b, &mut st.positions, &padded(&input.positions, &|_| 0))?;
+        upload_u32(
+            b,
+            &mut st.slot_mapping,
+            &padded(&input.slot_mapping, &|_| u32::MAX),
+        )?;
+        upload_u32(
+            b,
+            &mut st.query_start_loc,
+            &padded(&input.query_start_loc, &|i| (n + i + 1) as u32),
+        )?;
+        upload_u32(b, &mut st.seq_lens, &padded(&input.seq_lens, &|_| 1))?;
         upload_u32(b, &mut st.block_tables, &tables)?;
-        upload_u32(b, &mut st.logits_indices, &input.logits_indices)?;
-        st.num_tokens = n;
-        st.num_seqs = s;
+        upload_u32(
+            b,
+            &mut st.logits_indices,
+            &padded(&input.logits_indices, &|i| (s + i) as u32),
+        )?;
+        st.num_tokens = n + pad;
+        st.num_seqs = rows;
         st.max_query_len = input
             .query_start_loc
             .windows(2)
             .map(|w| (w[1] - w[0]) as usize)
             .max()
             .unwrap_or(0);
-        st.num_logits = input.logits_indices.len();
-        let (model, acts, kv) = (&self.model, &mut self.acts, &mut self.kv);
-        b.run_step(|| model.forward(b, st, acts, kv));
-        b.synchronize()?;
-        b.download_f32(&self.acts.logits, st.num_logits * vocab as usize)
+        st.num_logits = input.logits_indices.len() + pad;
+        let vocab = self.model.config.vocab_size;
+        let (model, acts, kv, greedy) =
+            (&self.model, &mut self.acts, &mut self.kv, &mut self.greedy);
+        let mut step = || {
+            model.forward(b, st, acts, kv);
+            b.argmax(&acts.logits, st.num_logits, vocab, greedy);
+        };
+        match bucket {
+            // A bucket's first step runs eagerly, which also sets up what capture cannot
+            // (kernel lookups, GEMM plans); later ones replay its graph.
+            Some(bucket) if self.warm_buckets.contains(&bucket) => {
+                b.run_recorded(bucket as u64, &mut step)?
+            }
+            Some(bucket) => {
+                b.run_step(step);
+                self.warm_buckets.push(bucket);
+            }
+            None => b.run_step(step),
+        }
+        b.synchronize()
+    }
+}
+
+/// Batch sizes decode steps are recorded at: fine steps where small batches are common,
+/// then every 64, up to `limit` (the most sequences and tokens a step may hold).
+pub fn graph_buckets(limit: usize) -> Vec<usize> {
+    let mut buckets: Vec<usize> = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+        .into_iter()
+        .chain((192..).step_by(64))
+        .take_while(|&b| b < limit)
+        .collect();
+    buckets.push(limit);
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::graph_buckets;
+
+    #[test]
+    fn graph_buckets_end_at_the_limit() {
+        assert_eq!(graph_buckets(1), [1]);
+        assert_eq!(graph_buckets(20), [1, 2, 4, 8, 16, 20]);
+        assert_eq!(
+            graph_buckets(256),
+            [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+        );
+        assert_eq!(graph_buckets(300).last(), Some(&300));
     }
 }

@@ -16,15 +16,7 @@ pub struct TokenLogprobs {
 }
 
 /// Index of the largest logit (the first on ties, as `torch.argmax`).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use ingot_backend::first_argmax as argmax;
 
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -78,6 +70,19 @@ impl Sampler {
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// Whether this sample's next token is the plain argmax of the model's logits: greedy,
+    /// with no processor that changes logits and no logprobs to report.
+    pub fn is_plain_greedy(&self, num_output: usize) -> bool {
+        let p = &self.params;
+        p.is_greedy()
+            && p.logprobs.is_none()
+            && p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && (num_output >= p.min_tokens || self.stop_ids.is_empty())
     }
 
     /// Whether `token` ends the sequence (once `min_tokens` are out).

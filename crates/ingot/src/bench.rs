@@ -60,6 +60,9 @@ struct Iteration {
     tpot: Vec<Duration>,
     prefill_tok_s: f64,
     decode_tok_s: f64,
+    /// Share of the decode steps' time spent outside the model runner (scheduling,
+    /// sampling, detokenization).
+    decode_host_share: f64,
 }
 
 fn percentile(values: &[f64], p: f64) -> f64 {
@@ -109,7 +112,8 @@ fn batch<B: Backend>(
     }
     let start = Instant::now();
     let (mut first, mut last) = (vec![None; b], vec![Duration::ZERO; b]);
-    let (mut decode_tokens, mut decode_time) = (0usize, Duration::ZERO);
+    let (mut decode_tokens, mut decode_time, mut decode_execute) =
+        (0usize, Duration::ZERO, Duration::ZERO);
     while engine.has_work() {
         let t = Instant::now();
         let deltas = engine.step()?;
@@ -118,6 +122,7 @@ fn batch<B: Backend>(
         if info.prefill_tokens == 0 {
             decode_tokens += info.decode_tokens;
             decode_time += took;
+            decode_execute += info.execute;
         }
         let now = start.elapsed();
         for d in deltas {
@@ -139,6 +144,8 @@ fn batch<B: Backend>(
     Ok(Iteration {
         prefill_tok_s: (b * input) as f64 / prefill_end.as_secs_f64(),
         decode_tok_s: decode_tokens as f64 / decode_time.as_secs_f64().max(f64::MIN_POSITIVE),
+        decode_host_share: 1.0
+            - decode_execute.as_secs_f64() / decode_time.as_secs_f64().max(f64::MIN_POSITIVE),
         ttft,
         e2e: last,
         tpot,
@@ -174,6 +181,7 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
     let (ttft, tpot, e2e) = (all(|i| &i.ttft), all(|i| &i.tpot), all(|i| &i.e2e));
     let prefill: Vec<f64> = timed.iter().map(|i| i.prefill_tok_s).collect();
     let decode: Vec<f64> = timed.iter().map(|i| i.decode_tok_s).collect();
+    let host: Vec<f64> = timed.iter().map(|i| i.decode_host_share).collect();
     let report = json!({
         "device": device,
         "model": args.model.model,
@@ -186,6 +194,7 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         "e2e_ms": summary(&e2e),
         "prefill_tok_s": summary(&prefill),
         "decode_tok_s": summary(&decode),
+        "decode_host_share": summary(&host),
     });
     match args.format {
         Format::Json => println!("{report}"),
@@ -200,6 +209,7 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
                 ("end-to-end (ms)", "e2e_ms"),
                 ("prefill (tok/s)", "prefill_tok_s"),
                 ("decode (tok/s)", "decode_tok_s"),
+                ("decode host share", "decode_host_share"),
             ] {
                 let s = &report[key];
                 println!(

@@ -89,6 +89,9 @@ pub struct EngineArgs {
     gpu_memory_utilization: f64,
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Run decode steps op by op instead of replaying CUDA graphs.
+    #[arg(long)]
+    enforce_eager: bool,
 }
 
 /// `None` is `auto`.
@@ -116,6 +119,7 @@ impl EngineArgs {
             kv_cache_dtype: self.kv_cache_dtype.0,
             gpu_memory_utilization: self.gpu_memory_utilization,
             prefix_caching: !self.no_prefix_caching,
+            enforce_eager: self.enforce_eager,
         }
     }
 }

@@ -83,6 +83,13 @@ impl CpuBuffer {
         }
     }
 
+    pub fn i32_mut(&mut self) -> &mut [i32] {
+        match &mut self.storage {
+            Storage::I32(v) => v,
+            _ => panic!("expected an i32 buffer, got {}", self.dtype),
+        }
+    }
+
     /// Bytes of one row of `dim` elements.
     pub(crate) fn row_bytes(&self, dim: usize) -> usize {
         self.dtype.bytes_for(dim)

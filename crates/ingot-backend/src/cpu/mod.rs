@@ -107,6 +107,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn download_i32(&self, src: &CpuBuffer, n: usize) -> anyhow::Result<Vec<i32>> {
+        Ok(src.i32()[..n].to_vec())
+    }
+
     fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         // Ops called from a pool thread run their parallel parts without a hand-off.
         self.pool.install(f)
@@ -360,6 +364,14 @@ impl Backend for CpuBackend {
             scale,
         };
         self.pool.install(|| attn.run(out.f32_mut()));
+    }
+
+    fn argmax(&self, logits: &CpuBuffer, rows: usize, vocab: usize, out: &mut CpuBuffer) {
+        let ids: Vec<i32> = logits.f32()[..rows * vocab]
+            .chunks(vocab)
+            .map(|row| crate::first_argmax(row) as i32)
+            .collect();
+        out.i32_mut()[..rows].copy_from_slice(&ids);
     }
 
     fn gather_rows(

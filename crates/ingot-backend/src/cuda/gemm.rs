@@ -136,27 +136,30 @@ impl Gemm {
                 )?;
             }
             let pref = result::create_matmul_pref().map_err(err("preference"))?;
-            let set_pref = |attr: Pref, v: u64| {
-                result::set_matmul_pref_attribute(
-                    pref,
-                    attr,
-                    (&v as *const u64).cast(),
-                    size_of::<u64>(),
-                )
-                .map_err(err("preference"))
-            };
-            let found = set_pref(
+            // The workspace size is a uint64_t attribute, the alignments uint32_t ones.
+            let workspace = self.workspace_bytes as u64;
+            let found = result::set_matmul_pref_attribute(
+                pref,
                 Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                self.workspace_bytes as u64,
+                (&workspace as *const u64).cast(),
+                size_of::<u64>(),
             )
+            .map_err(err("preference"))
             .and_then(|_| {
+                let align = s.align as u32;
                 for attr in [
                     Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
                     Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
                     Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                 ] {
-                    set_pref(attr, s.align as u64)?;
+                    result::set_matmul_pref_attribute(
+                        pref,
+                        attr,
+                        (&align as *const u32).cast(),
+                        size_of::<u32>(),
+                    )
+                    .map_err(err("preference"))?;
                 }
                 Ok(())
             })

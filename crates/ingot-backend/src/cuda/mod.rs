@@ -15,7 +15,11 @@ pub use module::{compile, PROGRAMS};
 
 use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MemoryInfo, QkvLayout};
 use anyhow::{bail, ensure, Context, Result};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// Splits of a token's context in split-KV attention: enough blocks to fill the GPU at
@@ -64,6 +68,12 @@ impl CudaBuffer {
     }
 }
 
+/// A captured step, replayed on the backend's stream.
+struct Graph(CudaGraph);
+
+// SAFETY: a graph is launched only on the backend's stream, under the backend's mutex.
+unsafe impl Send for Graph {}
+
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -72,6 +82,7 @@ pub struct CudaBackend {
     _gemm_workspace: CudaSlice<u8>,
     /// The first error an enqueued op raised, reported by the next `synchronize`.
     error: Mutex<Option<anyhow::Error>>,
+    graphs: Mutex<HashMap<u64, Graph>>,
     name: String,
     sm_count: u32,
 }
@@ -147,6 +158,7 @@ impl CudaBackend {
             gemm: Mutex::new(gemm),
             _gemm_workspace: workspace,
             error: Mutex::new(None),
+            graphs: Mutex::new(HashMap::new()),
             name,
             sm_count,
         })
@@ -284,6 +296,16 @@ impl Backend for CudaBackend {
     }
 
     fn download_f32(&self, src: &CudaBuffer, numel: usize) -> Result<Vec<f32>> {
+        if src.dtype == DType::F32 {
+            let mut host = vec![0f32; numel];
+            if numel > 0 {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut host);
+                self.stream
+                    .memcpy_dtoh(&src.slice.slice(..4 * numel), bytes)?;
+            }
+            self.synchronize()?;
+            return Ok(host);
+        }
         let n = src.dtype.bytes_for(numel);
         let mut host = vec![0u8; n];
         if n > 0 {
@@ -291,10 +313,6 @@ impl Backend for CudaBackend {
         }
         self.synchronize()?;
         Ok(match src.dtype {
-            DType::F32 => host
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
             DType::F16 => host
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
@@ -305,6 +323,41 @@ impl Backend for CudaBackend {
                 .collect(),
             other => bail!("cannot read {other} buffers as f32"),
         })
+    }
+
+    fn records_steps(&self) -> bool {
+        true
+    }
+
+    fn run_recorded(&self, key: u64, record: &mut (dyn FnMut() + Send)) -> Result<()> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        if !graphs.contains_key(&key) {
+            // Relaxed: kernels looked up for the first time during capture are fine.
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+            record();
+            let graph = self
+                .stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .with_context(|| format!("capturing CUDA graph {key}"))?
+                .with_context(|| format!("CUDA graph {key} captured nothing"))?;
+            if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                return Err(e.context(format!("capturing CUDA graph {key}")));
+            }
+            graphs.insert(key, Graph(graph));
+        }
+        graphs[&key].0.launch()?;
+        Ok(())
+    }
+
+    fn download_i32(&self, src: &CudaBuffer, n: usize) -> Result<Vec<i32>> {
+        let mut host = vec![0i32; n];
+        if n > 0 {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut host);
+            self.stream.memcpy_dtoh(&src.slice.slice(..4 * n), bytes)?;
+        }
+        self.synchronize()?;
+        Ok(host)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -553,6 +606,12 @@ impl Backend for CudaBackend {
             );
             offset += n;
         }
+    }
+
+    fn argmax(&self, logits: &CudaBuffer, rows: usize, vocab: usize, out: &mut CudaBuffer) {
+        assert_eq!(logits.dtype, DType::F32, "argmax reads f32 logits");
+        let (l, v, o) = (logits.ptr, vocab as i32, out.ptr);
+        launch!(self, "argmax_rows".to_string(), (rows as u32, 1, 1), 1024; l, v, o);
     }
 
     fn gather_rows(

@@ -12,9 +12,10 @@ use std::sync::{Arc, Mutex};
 const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// Each program compiles on its own thread; `common.cuh` is prepended to each.
-pub const PROGRAMS: [(&str, &str); 2] = [
+pub const PROGRAMS: [(&str, &str); 3] = [
     ("elementwise", include_str!("kernels/elementwise.cu")),
     ("attention", include_str!("kernels/attention.cu")),
+    ("sampling", include_str!("kernels/sampling.cu")),
 ];
 
 /// FNV-1a: a hash that stays the same across Rust releases, for cache file names.

@@ -49,6 +49,7 @@ pub fn runner_on<B: Backend>(
         block_size: 16,
         num_blocks,
         kv_cache_dtype: model.weights.activation_dtype,
+        enforce_eager: false,
     };
     ModelRunner::new(backend, model, cfg).unwrap()
 }
