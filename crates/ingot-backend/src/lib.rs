@@ -144,6 +144,18 @@ pub trait Backend: Send + Sync {
         false
     }
 
+    /// Starts timing every op on the device (steps run op by op only); an error where the
+    /// backend has no such timer.
+    fn start_op_profile(&self) -> anyhow::Result<()> {
+        anyhow::bail!("{} has no op profiler", self.name())
+    }
+
+    /// Device time per op since the profile started: (op, calls, milliseconds), longest
+    /// first.
+    fn op_profile(&self) -> Vec<(String, u64, f64)> {
+        vec![]
+    }
+
     /// Copies `n` i32 values back to the host.
     fn download_i32(&self, src: &Self::Buffer, n: usize) -> anyhow::Result<Vec<i32>>;
 

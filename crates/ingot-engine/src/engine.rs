@@ -245,6 +245,10 @@ impl<B: Backend> Engine<B> {
         })
     }
 
+    pub fn backend(&self) -> &B {
+        &self.runner.backend
+    }
+
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
     }

@@ -42,6 +42,10 @@ pub struct LatencyArgs {
     iters: usize,
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
+    /// Time every op on the device during the timed batches (needs --enforce-eager) and
+    /// print the time per op.
+    #[arg(long)]
+    profile_ops: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -157,6 +161,10 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         args.batch_size > 0 && args.input_len > 0 && args.output_len > 0 && args.iters > 0,
         "--batch-size, --input-len, --output-len and --iters must be at least 1"
     );
+    ensure!(
+        !args.profile_ops || args.engine.enforce_eager,
+        "--profile-ops times ops one by one: add --enforce-eager"
+    );
     let device = backend.name();
     let (model, tokenizer) = args.model.load(&backend)?;
     let vocab = model.config.vocab_size as u32;
@@ -164,6 +172,9 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
     let mut rng = StdRng::seed_from_u64(0);
     let mut timed = vec![];
     for i in 0..args.warmup + args.iters {
+        if args.profile_ops && i == args.warmup {
+            engine.backend().start_op_profile()?;
+        }
         let it = batch(
             &mut engine,
             &args,
@@ -196,6 +207,18 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         "decode_tok_s": summary(&decode),
         "decode_host_share": summary(&host),
     });
+    if args.profile_ops {
+        let ops = engine.backend().op_profile();
+        let total: f64 = ops.iter().map(|o| o.2).sum();
+        eprintln!("device time per op over the timed batches ({total:.1} ms in all):");
+        for (op, calls, ms) in ops {
+            eprintln!(
+                "  {:>6.2}%  {ms:>10.3} ms  {calls:>7} calls  {:>8.1} us/call  {op}",
+                100.0 * ms / total,
+                1e3 * ms / calls as f64
+            );
+        }
+    }
     match args.format {
         Format::Json => println!("{report}"),
         Format::Text => {

@@ -91,7 +91,7 @@ pub struct EngineArgs {
     no_prefix_caching: bool,
     /// Run decode steps op by op instead of replaying CUDA graphs.
     #[arg(long)]
-    enforce_eager: bool,
+    pub enforce_eager: bool,
 }
 
 /// `None` is `auto`.

@@ -15,9 +15,11 @@ pub use module::{compile, PROGRAMS};
 
 use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MemoryInfo, QkvLayout};
 use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -68,6 +70,13 @@ impl CudaBuffer {
     }
 }
 
+/// Device events around each op while profiling, resolved at the next synchronize.
+#[derive(Default)]
+struct Profiler {
+    pending: Vec<(String, CudaEvent, CudaEvent)>,
+    totals: HashMap<String, (u64, f64)>,
+}
+
 /// A captured step, replayed on the backend's stream.
 struct Graph(CudaGraph);
 
@@ -83,6 +92,7 @@ pub struct CudaBackend {
     /// The first error an enqueued op raised, reported by the next `synchronize`.
     error: Mutex<Option<anyhow::Error>>,
     graphs: Mutex<HashMap<u64, Graph>>,
+    profiler: Mutex<Option<Profiler>>,
     name: String,
     sm_count: u32,
 }
@@ -111,10 +121,12 @@ macro_rules! launch {
         let mut b = $be.stream.launch_builder(&f);
         $( b.arg(&$arg); )*
         let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the argument list matches the kernel's signature, and every pointer
-        // addresses a live buffer large enough for the shapes passed beside it.
-        let r = unsafe { b.launch(cfg) };
-        $be.record(r.map(|_| ()).with_context(|| format!("launching {name}")));
+        $be.timed(&name, || {
+            // SAFETY: the argument list matches the kernel's signature, and every pointer
+            // addresses a live buffer large enough for the shapes passed beside it.
+            let r = unsafe { b.launch(cfg) };
+            r.map(|_| ()).with_context(|| format!("launching {name}"))
+        });
     }};
 }
 
@@ -159,9 +171,31 @@ impl CudaBackend {
             _gemm_workspace: workspace,
             error: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
+            profiler: Mutex::new(None),
             name,
             sm_count,
         })
+    }
+
+    /// Runs `enqueue` (one op), between two timing events while profiling.
+    fn timed(&self, op: &str, enqueue: impl FnOnce() -> Result<()>) {
+        let mut profiler = self.profiler.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(p) = profiler.as_mut() else {
+            drop(profiler);
+            return self.record(enqueue());
+        };
+        let event = || -> Result<CudaEvent> {
+            let e = self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            e.record(&self.stream)?;
+            Ok(e)
+        };
+        let r = event().and_then(|start| {
+            enqueue()?;
+            p.pending.push((op.to_string(), start, event()?));
+            Ok(())
+        });
+        drop(profiler);
+        self.record(r);
     }
 
     fn record(&self, r: Result<()>) {
@@ -360,8 +394,41 @@ impl Backend for CudaBackend {
         Ok(host)
     }
 
+    fn start_op_profile(&self) -> Result<()> {
+        *self.profiler.lock().unwrap_or_else(|p| p.into_inner()) = Some(Profiler::default());
+        Ok(())
+    }
+
+    fn op_profile(&self) -> Vec<(String, u64, f64)> {
+        let profiler = self.profiler.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ops: Vec<(String, u64, f64)> = profiler
+            .as_ref()
+            .map(|p| {
+                p.totals
+                    .iter()
+                    .map(|(k, &(n, ms))| (k.clone(), n, ms))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ops.sort_by(|a, b| b.2.total_cmp(&a.2));
+        ops
+    }
+
     fn synchronize(&self) -> Result<()> {
         let synced = self.stream.synchronize();
+        if let Some(p) = self
+            .profiler
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            for (op, start, end) in p.pending.drain(..) {
+                let ms = start.elapsed_ms(&end)? as f64;
+                let t = p.totals.entry(op).or_default();
+                t.0 += 1;
+                t.1 += ms;
+            }
+        }
         if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
             return Err(e);
         }
@@ -450,17 +517,22 @@ impl Backend for CudaBackend {
             align,
         };
         let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
-        let mut gemm = self.gemm.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the shape was checked against the buffers above.
-        let applied =
-            unsafe { gemm.matmul(shape, x.ptr, w.ptr, bias.map(|b| b.ptr), out_ptr, stream) };
-        drop(gemm);
+        let mut applied = Ok(true);
+        let op = format!("matmul m{m} n{n} k{k}");
+        self.timed(&op, || {
+            let mut gemm = self.gemm.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: the shape was checked against the buffers above.
+            let r =
+                unsafe { gemm.matmul(shape, x.ptr, w.ptr, bias.map(|b| b.ptr), out_ptr, stream) };
+            applied = r.as_ref().map(|&a| a).map_err(|e| anyhow::anyhow!("{e:#}"));
+            r.map(|_| ())
+        });
         match (applied, bias) {
             (Ok(false), Some(b)) => {
                 let (o, bp, nn, ldl) = (out_ptr, b.ptr, n as i32, ld as i64);
                 launch!(self, format!("bias_add_{}", suffix(buf.dtype)), (m as u32, 1, 1), row_threads(n).min(256); o, bp, nn, ldl);
             }
-            (r, _) => self.record(r.map(|_| ())),
+            _ => {}
         }
     }
 
