@@ -28,9 +28,13 @@ use std::sync::{Arc, Mutex};
 /// batch 1, few enough partial results to merge cheaply.
 const NUM_SPLITS: usize = 16;
 /// Fewest tokens one split takes, so short contexts are not cut into slivers.
-const MIN_SPLIT: i32 = 32;
+const MIN_SPLIT: i32 = 64;
+/// Query heads one split-KV block serves (the kernels' GMAX).
+const HEADS_PER_BLOCK: usize = 16;
 /// Head sizes the attention kernels are instantiated for.
 const HEAD_DIMS: [usize; 3] = [32, 64, 128];
+/// Most rows a matmul runs through the GEMV kernels instead of cuBLASLt.
+const GEMV_MAX_ROWS: usize = 4;
 /// cuBLASLt's workspace (what it recommends for Hopper).
 const GEMM_WORKSPACE: usize = 32 << 20;
 
@@ -231,7 +235,7 @@ impl CudaBackend {
         let (t, c) = (suffix(qkv.dtype), suffix(k_cache.dtype));
         let d = layout.head_dim;
         let group = layout.num_heads / layout.num_kv_heads;
-        let heads_x = (layout.num_kv_heads * group.div_ceil(8)) as u32;
+        let heads_x = (layout.num_kv_heads * group.div_ceil(HEADS_PER_BLOCK)) as u32;
         let (qkv_p, qsl, sl, bt) = (
             qkv.ptr,
             meta.query_start_loc.ptr,
@@ -517,6 +521,20 @@ impl Backend for CudaBackend {
             align,
         };
         let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+        // A few rows of 16-bit activations: our GEMV reads the weights at full bandwidth,
+        // where cuBLASLt's small-batch kernels fall short.
+        let aligned = [x.ptr, w.ptr].iter().all(|p| p % 16 == 0);
+        if m <= GEMV_MAX_ROWS
+            && bias.is_none()
+            && matches!(x.dtype, DType::F16 | DType::BF16)
+            && k % 8 == 0
+            && aligned
+        {
+            let (xp, wp, nn, kk, o, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out_ptr, ld as i64);
+            launch!(self, format!("gemv_{}_{}_m{m}", suffix(x.dtype), suffix(buf.dtype)),
+                (n.div_ceil(8) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
+            return;
+        }
         let mut applied = Ok(true);
         let op = format!("matmul m{m} n{n} k{k}");
         self.timed(&op, || {

@@ -12,10 +12,11 @@ use std::sync::{Arc, Mutex};
 const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// Each program compiles on its own thread; `common.cuh` is prepended to each.
-pub const PROGRAMS: [(&str, &str); 3] = [
+pub const PROGRAMS: [(&str, &str); 4] = [
     ("elementwise", include_str!("kernels/elementwise.cu")),
     ("attention", include_str!("kernels/attention.cu")),
     ("sampling", include_str!("kernels/sampling.cu")),
+    ("gemv", include_str!("kernels/gemv.cu")),
 ];
 
 /// The program that defines kernel `name` (an index into [`PROGRAMS`]), from the name's
@@ -25,6 +26,8 @@ fn program_of(name: &str) -> usize {
         1
     } else if name.starts_with("argmax_") {
         2
+    } else if name.starts_with("gemv_") {
+        3
     } else {
         0
     }
@@ -51,12 +54,36 @@ fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
+/// `INGOT_PTXAS_VERBOSE=1` prints each kernel's registers, shared memory and spills when
+/// it is compiled (for kernel work; the cache is keyed by the options, so it recompiles).
+fn verbose() -> bool {
+    std::env::var_os("INGOT_PTXAS_VERBOSE").is_some()
+}
+
 fn options(arch: &str) -> Vec<String> {
-    vec![
+    let mut opts = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
         "--extra-device-vectorization".into(),
-    ]
+    ];
+    if verbose() {
+        opts.push("--ptxas-options=-v".into());
+    }
+    opts
+}
+
+/// The compiler's messages for `prog`.
+///
+/// # Safety
+/// `prog` must be a live NVRTC program.
+unsafe fn program_log(prog: nvrtc_sys::nvrtcProgram) -> String {
+    let mut size = 0usize;
+    nvrtc_sys::nvrtcGetProgramLogSize(prog, &mut size);
+    let mut log = vec![0u8; size.max(1)];
+    nvrtc_sys::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
+    CStr::from_bytes_until_nul(&log)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Compiles one program to a cubin for `arch` (e.g. `sm_90`).
@@ -84,17 +111,14 @@ pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
         let compiled =
             nvrtc_sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
         let result = if compiled.result().is_err() {
-            let mut size = 0usize;
-            nvrtc_sys::nvrtcGetProgramLogSize(prog, &mut size);
-            let mut log = vec![0u8; size.max(1)];
-            nvrtc_sys::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
-            let log = CStr::from_bytes_until_nul(&log)
-                .map(|c| c.to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let log = program_log(prog);
             Err(anyhow!(
                 "NVRTC could not compile {name}.cu for {arch}:\n{log}"
             ))
         } else {
+            if verbose() {
+                eprintln!("{name}.cu for {arch}:\n{}", program_log(prog));
+            }
             let mut size = 0usize;
             nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
                 .result()

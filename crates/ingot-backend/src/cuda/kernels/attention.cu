@@ -10,9 +10,9 @@
 // prefill_attention: 64 query tokens x one head per block on tensor cores (mma.sync
 // m16n8k16, f32 accumulation), online softmax in f32, causal over the paged context.
 
-#define CHUNK 8
+#define SPLIT_ALIGN 16
 #define WARPS 4
-#define GMAX 8
+#define GMAX 16
 
 template <int BYTES> struct Raw;
 template <> struct Raw<2> { typedef u16 t; };
@@ -30,10 +30,11 @@ __device__ __forceinline__ void load_f32(const C* p, float* out) {
     for (int i = 0; i < N; i++) out[i] = to_f32(e[i]);
 }
 
-// Tokens per split for a context of `ctx` tokens: whole chunks, at least `min_part`.
+// Tokens per split for a context of `ctx` tokens: a multiple of SPLIT_ALIGN, at least
+// `min_part`, so that at most `num_splits` splits cover the context.
 __device__ __forceinline__ int split_len(int ctx, int num_splits, int min_part) {
     int part = (ctx + num_splits - 1) / num_splits;
-    part = (part + CHUNK - 1) / CHUNK * CHUNK;
+    part = (part + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN;
     return part > min_part ? part : min_part;
 }
 
@@ -46,8 +47,28 @@ __device__ __forceinline__ int token_context(const int* query_start_loc, const i
     return seq_lens[s] - q_len + (token - query_start_loc[s]) + 1;
 }
 
+__device__ __forceinline__ u32 smem_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory without passing through registers; zeros when
+// `valid` is false (nothing is read then).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(smem)),
+                 "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
 // Grid: (num_kv_heads * head groups of up to GMAX, rows, num_splits); WARPS warps.
-// Writes per (row, head, split) the unnormalized output, the running max and the sum.
+// The block streams its split's keys and values through shared memory in tiles of 64
+// bytes' worth of keys per row (cp.async, two stages, so one tile loads while the last
+// is used); warp w owns query heads w, w + WARPS, … of the group and keeps their online
+// softmax. Writes per (row, head, split) the unnormalized output, the maximum and the sum.
 template <typename T, typename C, int D>
 __device__ void split_kv_attention(const T* qkv, const int* query_start_loc, const int* seq_lens,
                                    const int* block_tables, int max_blocks, int num_seqs,
@@ -55,10 +76,14 @@ __device__ void split_kv_attention(const T* qkv, const int* query_start_loc, con
                                    int block_size, int num_heads, int num_kv_heads, int row_len,
                                    float scale, int num_splits, int min_part, float* ws_o,
                                    float* ws_ml) {
-    constexpr int VEC = D / 32;
-    __shared__ float sm_acc[WARPS][GMAX][D];
-    __shared__ float sm_m[WARPS][GMAX];
-    __shared__ float sm_l[WARPS][GMAX];
+    constexpr int EPV = 16 / sizeof(C);  // cache elements per 16-byte copy
+    constexpr int BK = 64 / sizeof(C);   // keys per tile: 32 for 16-bit caches, 16 for f32
+    constexpr int ROW = D + EPV;         // padded smem row: conflict-free 16-byte reads
+    constexpr int VEC = D / 32;          // output dims per lane
+    constexpr int HPW = GMAX / WARPS;    // query heads per warp, at most
+    __shared__ __align__(16) C ks[2][BK * ROW];
+    __shared__ __align__(16) C vs[2][BK * ROW];
+    __shared__ float qs[GMAX][D];
 
     const int group = num_heads / num_kv_heads;
     const int groups_per_kv = (group + GMAX - 1) / GMAX;
@@ -76,101 +101,94 @@ __device__ void split_kv_attention(const T* qkv, const int* query_start_loc, con
     const int end = min(ctx, start + part);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    float q[GMAX][VEC];
-#pragma unroll
-    for (int g = 0; g < GMAX; g++) {
-        if (g < G) {
-            load_f32<T, VEC>(qkv + (long long)token * row_len + (long long)(h0 + g) * D + lane * VEC,
-                             q[g]);
-#pragma unroll
-            for (int v = 0; v < VEC; v++) q[g][v] *= scale;
-        } else {
-#pragma unroll
-            for (int v = 0; v < VEC; v++) q[g][v] = 0.0f;
-        }
-    }
-    float m[GMAX], l[GMAX], acc[GMAX][VEC];
-#pragma unroll
-    for (int g = 0; g < GMAX; g++) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int v = 0; v < VEC; v++) acc[g][v] = 0.0f;
-    }
-    const int* table = block_tables + (long long)s * max_blocks;
-    for (int t0 = start + warp * CHUNK; t0 < end; t0 += WARPS * CHUNK) {
-        float k[CHUNK][VEC], vv[CHUNK][VEC];
-#pragma unroll
-        for (int j = 0; j < CHUNK; j++) {
-            const int t = t0 + j;
-            if (t < end) {
-                const long long slot = (long long)table[t / block_size] * block_size + t % block_size;
-                const long long off = (slot * num_kv_heads + kvh) * D + lane * VEC;
-                load_f32<C, VEC>(k_cache + off, k[j]);
-                load_f32<C, VEC>(v_cache + off, vv[j]);
-            } else {
-#pragma unroll
-                for (int v = 0; v < VEC; v++) k[j][v] = vv[j][v] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < GMAX; g++) {
-            if (g >= G) break;
-            float sc[CHUNK];
-            float mx = NEG_INF;
-#pragma unroll
-            for (int j = 0; j < CHUNK; j++) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int v = 0; v < VEC; v++) dot += q[g][v] * k[j][v];
-                dot = warp_sum(dot);
-                sc[j] = t0 + j < end ? dot : NEG_INF;
-                mx = fmaxf(mx, sc[j]);
-            }
-            const float m_new = fmaxf(m[g], mx);
-            const float alpha = expf(m[g] - m_new);
-            l[g] *= alpha;
-#pragma unroll
-            for (int v = 0; v < VEC; v++) acc[g][v] *= alpha;
-#pragma unroll
-            for (int j = 0; j < CHUNK; j++) {
-                const float p = expf(sc[j] - m_new);
-                l[g] += p;
-#pragma unroll
-                for (int v = 0; v < VEC; v++) acc[g][v] += p * vv[j][v];
-            }
-            m[g] = m_new;
-        }
-    }
-    // Merge the warps: warp 0 always saw a token, so the merged maximum is finite.
-#pragma unroll
-    for (int g = 0; g < GMAX; g++) {
-        if (g < G) {
-#pragma unroll
-            for (int v = 0; v < VEC; v++) sm_acc[warp][g][lane * VEC + v] = acc[g][v];
-            if (lane == 0) {
-                sm_m[warp][g] = m[g];
-                sm_l[warp][g] = l[g];
-            }
-        }
-    }
-    __syncthreads();
-    const long long out_base = ((long long)row * num_heads + h0) * num_splits + split;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D, d = i - g * D;
-        float mmax = NEG_INF;
-        for (int w = 0; w < WARPS; w++) mmax = fmaxf(mmax, sm_m[w][g]);
-        float o = 0.0f, sum = 0.0f;
-        for (int w = 0; w < WARPS; w++) {
-            const float f = expf(sm_m[w][g] - mmax);
-            o += sm_acc[w][g][d] * f;
-            sum += sm_l[w][g] * f;
+        qs[g][d] = to_f32(qkv[(long long)token * row_len + (long long)(h0 + g) * D + d]) * scale;
+    }
+    const int* table = block_tables + (long long)s * max_blocks;
+    const int tiles = (end - start + BK - 1) / BK;
+    auto issue = [&](int tile, int stage) {
+        const int base = start + tile * BK;
+        for (int c = threadIdx.x; c < BK * (D / EPV); c += blockDim.x) {
+            const int j = c / (D / EPV), e = (c - j * (D / EPV)) * EPV;
+            const int t = base + j;
+            const bool valid = t < end;
+            const int at = valid ? t : start;
+            const long long slot = (long long)table[at / block_size] * block_size + at % block_size;
+            const long long off = (slot * num_kv_heads + kvh) * D + e;
+            cp_async16(&ks[stage][j * ROW + e], k_cache + off, valid);
+            cp_async16(&vs[stage][j * ROW + e], v_cache + off, valid);
         }
-        const long long at = out_base + (long long)g * num_splits;
-        ws_o[at * D + d] = o;
-        if (d == 0) {
-            ws_ml[at * 2] = mmax;
-            ws_ml[at * 2 + 1] = sum;
+        cp_async_commit();
+    };
+
+    float m[HPW], l[HPW], acc[HPW][VEC];
+#pragma unroll
+    for (int h = 0; h < HPW; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int v = 0; v < VEC; v++) acc[h][v] = 0.0f;
+    }
+    issue(0, 0);
+    for (int tile = 0; tile < tiles; tile++) {
+        const int stage = tile & 1;
+        if (tile + 1 < tiles) {
+            issue(tile + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int base = start + tile * BK;
+        const C* kt = ks[stage];
+        const C* vt = vs[stage];
+#pragma unroll
+        for (int h = 0; h < HPW; h++) {
+            const int g = warp + h * WARPS;
+            if (g >= G) break;
+            float sc = NEG_INF;
+            if (lane < BK && base + lane < end) {
+                float dot = 0.0f;
+                const C* kr = kt + lane * ROW;
+#pragma unroll
+                for (int e = 0; e < D; e += EPV) {
+                    float kv[EPV];
+                    load_f32<C, EPV>(kr + e, kv);
+#pragma unroll
+                    for (int u = 0; u < EPV; u++) dot += qs[g][e + u] * kv[u];
+                }
+                sc = dot;
+            }
+            // The tile's first key is always in range, so the maximum is finite.
+            const float m_new = fmaxf(m[h], warp_max(sc));
+            const float alpha = expf(m[h] - m_new);
+            const float p = expf(sc - m_new);
+            l[h] = l[h] * alpha + warp_sum(p);
+#pragma unroll
+            for (int v = 0; v < VEC; v++) acc[h][v] *= alpha;
+#pragma unroll 8
+            for (int j = 0; j < BK; j++) {
+                const float pj = __shfl_sync(0xffffffffu, p, j);
+                float vv[VEC];
+                load_f32<C, VEC>(vt + j * ROW + lane * VEC, vv);
+#pragma unroll
+                for (int v = 0; v < VEC; v++) acc[h][v] += pj * vv[v];
+            }
+            m[h] = m_new;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int h = 0; h < HPW; h++) {
+        const int g = warp + h * WARPS;
+        if (g >= G) break;
+        const long long at = ((long long)row * num_heads + h0 + g) * num_splits + split;
+#pragma unroll
+        for (int v = 0; v < VEC; v++) ws_o[at * D + lane * VEC + v] = acc[h][v];
+        if (lane == 0) {
+            ws_ml[at * 2] = m[h];
+            ws_ml[at * 2 + 1] = l[h];
         }
     }
 }
