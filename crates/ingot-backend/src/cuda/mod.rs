@@ -35,6 +35,8 @@ const HEADS_PER_BLOCK: usize = 16;
 const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// Most rows a matmul runs through the GEMV kernels instead of cuBLASLt.
 const GEMV_MAX_ROWS: usize = 4;
+/// Output columns one GEMV block computes (the kernel's ROWS).
+const GEMV_COLUMNS: usize = 4;
 /// cuBLASLt's workspace (what it recommends for Hopper).
 const GEMM_WORKSPACE: usize = 32 << 20;
 
@@ -121,11 +123,16 @@ fn row_threads(dim: usize) -> u32 {
 macro_rules! launch {
     ($be:expr, $name:expr, $grid:expr, $block:expr; $($arg:ident),* $(,)?) => {{
         let name: String = $name;
+        launch!($be, name.clone(), label = name, $grid, $block; $($arg),*)
+    }};
+    ($be:expr, $name:expr, label = $label:expr, $grid:expr, $block:expr; $($arg:ident),* $(,)?) => {{
+        let name: String = $name;
+        let label: String = $label;
         let f = $be.kernels.get(&name);
         let mut b = $be.stream.launch_builder(&f);
         $( b.arg(&$arg); )*
         let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: 0 };
-        $be.timed(&name, || {
+        $be.timed(&label, || {
             // SAFETY: the argument list matches the kernel's signature, and every pointer
             // addresses a live buffer large enough for the shapes passed beside it.
             let r = unsafe { b.launch(cfg) };
@@ -532,7 +539,8 @@ impl Backend for CudaBackend {
         {
             let (xp, wp, nn, kk, o, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out_ptr, ld as i64);
             launch!(self, format!("gemv_{}_{}_m{m}", suffix(x.dtype), suffix(buf.dtype)),
-                (n.div_ceil(8) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
+                label = format!("gemv m{m} n{n} k{k}"),
+                (n.div_ceil(GEMV_COLUMNS) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
             return;
         }
         let mut applied = Ok(true);

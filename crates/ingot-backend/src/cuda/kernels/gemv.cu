@@ -1,7 +1,11 @@
 // Matrix-vector products for decode steps of a few rows: out[r, j] = Σ_k x[r, k] · w[j, k]
-// for r < M (1 to 4). One warp per output column j reads w's row j once in 16-byte loads
-// (the bytes that bound a decode step) and all M rows of x beside it; f32 accumulation.
-// Each output is summed in the same order whatever M is.
+// for r < M (1 to 4). A block of 256 threads owns ROWS output columns: every thread reads
+// 16 bytes of each of the ROWS weight rows per step along k (so many independent loads are
+// in flight), the partial sums meet in shared memory. Weights, the bytes that bound a
+// decode step, are read once; f32 accumulation in an order that does not depend on M.
+
+#define ROWS 4
+#define THREADS 256
 
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
@@ -10,37 +14,59 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
     for (int i = 0; i < 8; i++) f[i] = to_f32(e[i]);
 }
 
-// Grid: ceil(n / 8) blocks of 8 warps. k is a multiple of 8 and every row 16-byte aligned.
+// Grid: ceil(n / ROWS) blocks. k is a multiple of 8 and x and w are 16-byte aligned.
 template <typename T, typename O, int M>
 __device__ void gemv(const T* x, const T* w, int n, int k, O* out, long long ld) {
-    const int lane = threadIdx.x & 31;
-    const int j = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (j >= n) return;
-    const T* wr = w + (long long)j * k;
-    float acc[M];
+    __shared__ float partial[THREADS / 32][M][ROWS];
+    const int j0 = blockIdx.x * ROWS;
+    const int rows = min(ROWS, n - j0);
+    float acc[M][ROWS];
 #pragma unroll
-    for (int r = 0; r < M; r++) acc[r] = 0.0f;
-#pragma unroll 4
-    for (int kk = lane * 8; kk < k; kk += 256) {
-        float wf[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(wr + kk), wf);
+    for (int r = 0; r < M; r++)
+#pragma unroll
+        for (int c = 0; c < ROWS; c++) acc[r][c] = 0.0f;
+#pragma unroll 2
+    for (int kk = threadIdx.x * 8; kk < k; kk += THREADS * 8) {
+        uint4 wv[ROWS];
+#pragma unroll
+        for (int c = 0; c < ROWS; c++)
+            wv[c] = c < rows ? *reinterpret_cast<const uint4*>(w + (long long)(j0 + c) * k + kk)
+                             : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int r = 0; r < M; r++) {
             float xf[8];
             unpack8<T>(*reinterpret_cast<const uint4*>(x + (long long)r * k + kk), xf);
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[r] += wf[i] * xf[i];
+            for (int c = 0; c < ROWS; c++) {
+                float wf[8];
+                unpack8<T>(wv[c], wf);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[r][c] += wf[i] * xf[i];
+            }
         }
     }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int r = 0; r < M; r++) {
-        const float v = warp_sum(acc[r]);
-        if (lane == 0) out[r * ld + j] = from_f32<O>(v);
+    for (int r = 0; r < M; r++)
+#pragma unroll
+        for (int c = 0; c < ROWS; c++) {
+            const float v = warp_sum(acc[r][c]);
+            if (lane == 0) partial[warp][r][c] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < M * ROWS) {
+        const int r = threadIdx.x / ROWS, c = threadIdx.x % ROWS;
+        if (c < rows) {
+            float v = 0.0f;
+#pragma unroll
+            for (int q = 0; q < THREADS / 32; q++) v += partial[q][r][c];
+            out[r * ld + j0 + c] = from_f32<O>(v);
+        }
     }
 }
 
 #define GEMV(T, S, O, SO, M)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) gemv_##S##_##SO##_m##M(                      \
+    extern "C" __global__ void __launch_bounds__(THREADS) gemv_##S##_##SO##_m##M(                  \
         const T* x, const T* w, int n, int k, O* out, long long ld) {                              \
         gemv<T, O, M>(x, w, n, k, out, ld);                                                        \
     }
