@@ -20,12 +20,14 @@ serve: model build
 run: model build
 	./target/release/ingot generate --model "$$(scripts/fetch-test-model)" --chat --prompt "$(PROMPT)" --max-tokens 64
 
-# Everything CI checks: formatting, lints, the Rust tests, and the Python suite that drives
-# `ingot serve` with the official openai client (its venv lives in ~/.cache/ingot).
+# Everything CI checks: formatting, lints, the Rust tests (the CUDA kernels compile with
+# NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run),
+# and the Python suite that drives `ingot serve` with the official openai client (its venv
+# lives in ~/.cache/ingot).
 test: model
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --all-features -- -D warnings
-	$(CARGO) test --workspace
+	INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace
 	cd tests/python && "$$(../../scripts/python-test-env)" -m pytest -q
 
 # Side-by-side CPU throughput with llama.cpp on the same GGUF (builds llama-bench once).

@@ -376,22 +376,25 @@ impl Backend for CudaBackend {
 
     fn run_recorded(&self, key: u64, record: &mut (dyn FnMut() + Send)) -> Result<()> {
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        if !graphs.contains_key(&key) {
-            // Relaxed: kernels looked up for the first time during capture are fine.
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-            record();
-            let graph = self
-                .stream
-                .end_capture(CUgraphInstantiate_flags(0))
-                .with_context(|| format!("capturing CUDA graph {key}"))?
-                .with_context(|| format!("CUDA graph {key} captured nothing"))?;
-            if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                return Err(e.context(format!("capturing CUDA graph {key}")));
+        let graph = match graphs.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                // Relaxed: kernels looked up for the first time during capture are fine.
+                self.stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+                record();
+                let graph = self
+                    .stream
+                    .end_capture(CUgraphInstantiate_flags(0))
+                    .with_context(|| format!("capturing CUDA graph {key}"))?
+                    .with_context(|| format!("CUDA graph {key} captured nothing"))?;
+                if let Some(err) = self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    return Err(err.context(format!("capturing CUDA graph {key}")));
+                }
+                e.insert(Graph(graph))
             }
-            graphs.insert(key, Graph(graph));
-        }
-        graphs[&key].0.launch()?;
+        };
+        graph.0.launch()?;
         Ok(())
     }
 
@@ -534,7 +537,7 @@ impl Backend for CudaBackend {
         if m <= GEMV_MAX_ROWS
             && bias.is_none()
             && matches!(x.dtype, DType::F16 | DType::BF16)
-            && k % 8 == 0
+            && k.is_multiple_of(8)
             && aligned
         {
             let (xp, wp, nn, kk, o, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out_ptr, ld as i64);
@@ -553,12 +556,9 @@ impl Backend for CudaBackend {
             applied = r.as_ref().map(|&a| a).map_err(|e| anyhow::anyhow!("{e:#}"));
             r.map(|_| ())
         });
-        match (applied, bias) {
-            (Ok(false), Some(b)) => {
-                let (o, bp, nn, ldl) = (out_ptr, b.ptr, n as i32, ld as i64);
-                launch!(self, format!("bias_add_{}", suffix(buf.dtype)), (m as u32, 1, 1), row_threads(n).min(256); o, bp, nn, ldl);
-            }
-            _ => {}
+        if let (Ok(false), Some(b)) = (applied, bias) {
+            let (o, bp, nn, ldl) = (out_ptr, b.ptr, n as i32, ld as i64);
+            launch!(self, format!("bias_add_{}", suffix(buf.dtype)), (m as u32, 1, 1), row_threads(n).min(256); o, bp, nn, ldl);
         }
     }
 
