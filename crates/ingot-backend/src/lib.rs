@@ -251,6 +251,44 @@ pub trait Backend: Send + Sync {
         v_cache: &mut Self::Buffer,
     );
 
+    /// [`Backend::rope`] then [`Backend::kv_write`]: the rotated keys and the values go to
+    /// their cache slots. GPUs do both in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv_write(
+        &self,
+        qkv: &mut Self::Buffer,
+        layout: QkvLayout,
+        positions: &Self::Buffer,
+        rows: usize,
+        cos_sin: &Self::Buffer,
+        rotary_dim: usize,
+        slot_mapping: &Self::Buffer,
+        cache: CacheLayout,
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+    ) {
+        self.rope(qkv, layout, positions, rows, cos_sin, rotary_dim);
+        self.kv_write(qkv, layout, slot_mapping, rows, cache, k_cache, v_cache);
+    }
+
+    /// `out = (silu(gate) * up) · wᵀ` for `gate_up` rows of `[gate | up]`, each `ffn` wide:
+    /// [`Backend::silu_mul`] into `act` then [`Backend::matmul`]. GPUs can feed the product
+    /// to the matmul without writing `act`.
+    #[allow(clippy::too_many_arguments)]
+    fn silu_mul_matmul(
+        &self,
+        gate_up: &Self::Buffer,
+        act: &mut Self::Buffer,
+        w: &Self::Buffer,
+        m: usize,
+        n: usize,
+        ffn: usize,
+        out: MatmulOut<'_, Self>,
+    ) {
+        self.silu_mul(gate_up, m, ffn, act);
+        self.matmul(act, w, None, m, n, ffn, out);
+    }
+
     /// f32 elements of scratch [`Backend::paged_attention`] needs for steps of up to
     /// `max_seqs` sequences (split-context partial results on GPUs).
     fn attention_workspace_len(&self, _layout: QkvLayout, _max_seqs: usize) -> usize {

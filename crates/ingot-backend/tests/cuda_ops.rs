@@ -402,6 +402,56 @@ fn rope_qk_norm_and_kv_write_match_the_cpu() {
                         &format!("kv_write {what} {dtype} into {cache_dtype} {layout:?}"),
                     );
                 }
+
+                // The fused rope + kv_write against the two CPU ops.
+                let (mut gk, mut gv) = (up(&g, &init, cache_dtype), up(&g, &init, cache_dtype));
+                let mut gq = up(&g, &qkv, dtype);
+                g.rope_kv_write(
+                    &mut gq,
+                    layout,
+                    &up_i32(&g, &pos),
+                    rows,
+                    &up(&g, &table, DType::F32),
+                    hd,
+                    &up_i32(&g, &slots),
+                    cache,
+                    &mut gk,
+                    &mut gv,
+                );
+                let (mut ck, mut cv) = (up(&c, &init, DType::F32), up(&c, &init, DType::F32));
+                let mut cq = up(&c, &qkv, DType::F32);
+                c.rope(
+                    &mut cq,
+                    layout,
+                    &up_i32(&c, &pos),
+                    rows,
+                    &up(&c, &table, DType::F32),
+                    hd,
+                );
+                c.kv_write(
+                    &cq,
+                    layout,
+                    &up_i32(&c, &slots),
+                    rows,
+                    cache,
+                    &mut ck,
+                    &mut cv,
+                );
+                check(
+                    &g.download_f32(&gq, rows * rl).unwrap(),
+                    &c.download_f32(&cq, rows * rl).unwrap(),
+                    dtype,
+                    &format!("rope_kv_write queries {dtype} {layout:?}"),
+                );
+                for (gb, cb, what) in [(&gk, &ck, "keys"), (&gv, &cv, "values")] {
+                    let want = round(&c.download_f32(cb, n).unwrap(), cache_dtype);
+                    check(
+                        &g.download_f32(gb, n).unwrap(),
+                        &want,
+                        worse,
+                        &format!("rope_kv_write {what} {dtype} into {cache_dtype} {layout:?}"),
+                    );
+                }
             }
         }
     }
@@ -479,6 +529,59 @@ fn matmul_matches_the_cpu_and_writes_only_its_columns() {
                     check(&cols(&got), &cols(&want), dtype, &what);
                 }
             }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn silu_mul_matmul_matches_the_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = StdRng::seed_from_u64(8);
+    for dtype in FLOATS {
+        for (m, n, ffn) in [(1, 96, 64), (2, 131, 200), (4, 4096, 1408), (7, 33, 96)] {
+            let gu = round(&randn(&mut rng, m * 2 * ffn), dtype);
+            let w: Vec<f32> = randn(&mut rng, n * ffn)
+                .iter()
+                .map(|v| v / (ffn as f32).sqrt())
+                .collect();
+            let w = round(&w, dtype);
+            let mut out = poisoned(&g, dtype, m * n);
+            let mut act = poisoned(&g, dtype, m * ffn);
+            g.silu_mul_matmul(
+                &up(&g, &gu, dtype),
+                &mut act,
+                &up(&g, &w, dtype),
+                m,
+                n,
+                ffn,
+                MatmulOut {
+                    buf: &mut out,
+                    row_stride: n,
+                    col_offset: 0,
+                },
+            );
+            let mut want = c.alloc(DType::F32, m * n).unwrap();
+            let mut cact = c.alloc(DType::F32, m * ffn).unwrap();
+            c.silu_mul_matmul(
+                &up(&c, &gu, DType::F32),
+                &mut cact,
+                &up(&c, &w, DType::F32),
+                m,
+                n,
+                ffn,
+                MatmulOut {
+                    buf: &mut want,
+                    row_stride: n,
+                    col_offset: 0,
+                },
+            );
+            check(
+                &g.download_f32(&out, m * n).unwrap(),
+                &c.download_f32(&want, m * n).unwrap(),
+                dtype,
+                &format!("silu_mul_matmul {dtype} m{m} n{n} ffn{ffn}"),
+            );
         }
     }
 }

@@ -180,7 +180,7 @@ impl<B: Backend> Model<B> {
         let cfg = &self.config;
         let w = &self.weights;
         let t = step.num_tokens;
-        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let d = cfg.hidden_size;
         assert!(
             t <= acts.max_tokens && step.num_logits <= acts.max_logits,
             "step exceeds the sized activations"
@@ -204,15 +204,18 @@ impl<B: Backend> Model<B> {
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
             }
-            b.rope(
+            b.rope_kv_write(
                 &mut a.qkv,
                 layout,
                 &step.positions,
                 t,
                 &a.cos_sin,
                 cfg.head_dim,
+                &step.slot_mapping,
+                kv.layout,
+                kc,
+                vc,
             );
-            b.kv_write(&a.qkv, layout, &step.slot_mapping, t, kv.layout, kc, vc);
             b.paged_attention(
                 &a.qkv,
                 layout,
@@ -229,8 +232,9 @@ impl<B: Backend> Model<B> {
             let ffn_norm = &layer.ffn_norm;
             b.add_rms_norm(&mut a.hidden, &a.proj, ffn_norm, eps, t, d, &mut a.normed);
             layer.gate_up.forward(b, &a.normed, t, &mut a.gate_up);
-            b.silu_mul(&a.gate_up, t, f, &mut a.act);
-            layer.down.forward(b, &a.act, t, &mut a.proj);
+            layer
+                .down
+                .forward_silu(b, &a.gate_up, &mut a.act, t, &mut a.proj);
             match w.layers.get(i + 1) {
                 Some(next) => {
                     let norm = &next.attn_norm;

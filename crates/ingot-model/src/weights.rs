@@ -83,6 +83,32 @@ impl<B: Backend> Linear<B> {
             col += p.rows;
         }
     }
+
+    /// `out = (silu(gate) * up) · Wᵀ` for `gate_up` rows of `[gate | up]` (the MLP's down
+    /// projection); `act` holds the product where it has to be written out.
+    pub fn forward_silu(
+        &self,
+        b: &B,
+        gate_up: &B::Buffer,
+        act: &mut B::Buffer,
+        rows: usize,
+        out: &mut B::Buffer,
+    ) {
+        match self.parts.as_slice() {
+            [p] if p.bias.is_none() => {
+                let dst = MatmulOut {
+                    buf: out,
+                    row_stride: p.rows,
+                    col_offset: 0,
+                };
+                b.silu_mul_matmul(gate_up, act, &p.weight, rows, p.rows, self.in_features, dst);
+            }
+            _ => {
+                b.silu_mul(gate_up, rows, self.in_features, act);
+                self.forward(b, act, rows, out);
+            }
+        }
+    }
 }
 
 pub struct LayerWeights<B: Backend> {

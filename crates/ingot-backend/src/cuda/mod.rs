@@ -255,24 +255,67 @@ impl CudaBackend {
             offset as i32,
         );
         let (kc, vc, bs) = (k_cache.ptr, v_cache.ptr, cache.block_size as i32);
-        let (nh, nkv, rl, hd) = (
+        let (nh, nkv, rl) = (
             layout.num_heads as i32,
             layout.num_kv_heads as i32,
             layout.row_len() as i32,
-            d as i32,
         );
         let (splits, min_part) = (NUM_SPLITS as i32, MIN_SPLIT);
-        let partials = rows * layout.num_heads * NUM_SPLITS;
+        // Workspace: partial outputs, then (max, sum) pairs, then the counters, for the
+        // capacity's rows; this launch uses the first `rows` of each.
+        let capacity = workspace.numel / Self::workspace_per_row(layout);
+        let partials = capacity * layout.num_heads * NUM_SPLITS;
         let ws_o = workspace.ptr;
         let ws_ml = workspace.at(partials * d);
+        let counters = workspace.at(partials * (d + 2));
+        let o = out.ptr;
         launch!(self, format!("split_kv_attention_{t}_{c}_d{d}"),
             (heads_x, rows as u32, NUM_SPLITS as u32), 128;
             qkv_p, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, splits, min_part,
-            ws_o, ws_ml);
-        let o = out.ptr;
-        launch!(self, format!("split_kv_reduce_{t}"),
-            (layout.num_heads as u32, rows as u32, 1), row_threads(d).min(128);
-            qsl, sl, ns, off, nh, hd, splits, min_part, ws_o, ws_ml, o);
+            ws_o, ws_ml, counters, o);
+    }
+
+    /// Whether a product of `m` rows runs through the GEMV kernels: a few rows of 16-bit
+    /// activations, where they read the weights at full bandwidth and cuBLASLt's small-batch
+    /// kernels fall short.
+    fn gemv_fits(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        m: usize,
+        k: usize,
+        bias: Option<&CudaBuffer>,
+    ) -> bool {
+        m <= GEMV_MAX_ROWS
+            && bias.is_none()
+            && matches!(x.dtype, DType::F16 | DType::BF16)
+            && x.dtype == w.dtype
+            && k.is_multiple_of(8)
+            && [x.ptr, w.ptr].iter().all(|p| p % 16 == 0)
+    }
+
+    /// Launches GEMV kernel family `kernel` (`gemv` or `gemv_silu`) for `m` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        kernel: &str,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: MatmulOut<'_, Self>,
+    ) {
+        let o = out.buf.at(out.col_offset);
+        let (xp, wp, nn, kk, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out.row_stride as i64);
+        launch!(self, format!("{kernel}_{}_{}_m{m}", suffix(x.dtype), suffix(out.buf.dtype)),
+            label = format!("{kernel} m{m} n{n} k{k}"),
+            (n.div_ceil(GEMV_COLUMNS) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
+    }
+
+    /// Workspace elements (f32 or i32) one row of split-KV attention needs.
+    fn workspace_per_row(layout: QkvLayout) -> usize {
+        layout.num_heads * (NUM_SPLITS * (layout.head_dim + 2) + 1)
     }
 }
 
@@ -531,20 +574,13 @@ impl Backend for CudaBackend {
             align,
         };
         let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
-        // A few rows of 16-bit activations: our GEMV reads the weights at full bandwidth,
-        // where cuBLASLt's small-batch kernels fall short.
-        let aligned = [x.ptr, w.ptr].iter().all(|p| p % 16 == 0);
-        if m <= GEMV_MAX_ROWS
-            && bias.is_none()
-            && matches!(x.dtype, DType::F16 | DType::BF16)
-            && k.is_multiple_of(8)
-            && aligned
-        {
-            let (xp, wp, nn, kk, o, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out_ptr, ld as i64);
-            launch!(self, format!("gemv_{}_{}_m{m}", suffix(x.dtype), suffix(buf.dtype)),
-                label = format!("gemv m{m} n{n} k{k}"),
-                (n.div_ceil(GEMV_COLUMNS) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
-            return;
+        if self.gemv_fits(x, w, m, k, bias) {
+            let out = MatmulOut {
+                buf,
+                row_stride: ld,
+                col_offset,
+            };
+            return self.gemv("gemv", x, w, m, n, k, out);
         }
         let mut applied = Ok(true);
         let op = format!("matmul m{m} n{n} k{k}");
@@ -645,8 +681,60 @@ impl Backend for CudaBackend {
             q, s, ql, kvl, rl, kc, vc);
     }
 
+    fn rope_kv_write(
+        &self,
+        qkv: &mut CudaBuffer,
+        layout: QkvLayout,
+        positions: &CudaBuffer,
+        rows: usize,
+        cos_sin: &CudaBuffer,
+        rotary_dim: usize,
+        slot_mapping: &CudaBuffer,
+        cache: CacheLayout,
+        k_cache: &mut CudaBuffer,
+        v_cache: &mut CudaBuffer,
+    ) {
+        assert!(
+            k_cache.numel >= cache.num_blocks * cache.block_size * layout.kv_len(),
+            "KV cache smaller than its layout"
+        );
+        let heads = layout.num_heads + layout.num_kv_heads;
+        let (q, p, cs, nh, nkv, hd, rd) = (
+            qkv.ptr,
+            positions.ptr,
+            cos_sin.ptr,
+            layout.num_heads as i32,
+            layout.num_kv_heads as i32,
+            layout.head_dim as i32,
+            rotary_dim as i32,
+        );
+        let (s, kc, vc) = (slot_mapping.ptr, k_cache.ptr, v_cache.ptr);
+        launch!(self,
+            format!("rope_kv_write_{}_{}", suffix(qkv.dtype), suffix(k_cache.dtype)),
+            (rows as u32, 1, 1), row_threads(heads * rotary_dim / 2).min(256);
+            q, p, cs, nh, nkv, hd, rd, s, kc, vc);
+    }
+
+    fn silu_mul_matmul(
+        &self,
+        gate_up: &CudaBuffer,
+        act: &mut CudaBuffer,
+        w: &CudaBuffer,
+        m: usize,
+        n: usize,
+        ffn: usize,
+        out: MatmulOut<'_, Self>,
+    ) {
+        if self.gemv_fits(gate_up, w, m, ffn, None) {
+            self.gemv("gemv_silu", gate_up, w, m, n, ffn, out);
+        } else {
+            self.silu_mul(gate_up, m, ffn, act);
+            self.matmul(act, w, None, m, n, ffn, out);
+        }
+    }
+
     fn attention_workspace_len(&self, layout: QkvLayout, max_seqs: usize) -> usize {
-        max_seqs * layout.num_heads * NUM_SPLITS * (layout.head_dim + 2)
+        max_seqs * Self::workspace_per_row(layout)
     }
 
     fn paged_attention(
@@ -693,8 +781,7 @@ impl Backend for CudaBackend {
             return;
         }
         // Split-KV over as many rows at a time as the workspace holds partials for.
-        let per_row = layout.num_heads * NUM_SPLITS * (d + 2);
-        let chunk = workspace.numel / per_row;
+        let chunk = workspace.numel / Self::workspace_per_row(layout);
         assert!(chunk > 0, "attention workspace too small");
         let mut offset = 0;
         while offset < rows {

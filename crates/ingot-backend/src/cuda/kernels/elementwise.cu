@@ -110,6 +110,18 @@ __device__ void kv_write(const T* qkv, const int* slots, int q_len, int kv_len, 
     }
 }
 
+// rope then kv_write for one row per block: the rotated keys and the values to the cache.
+template <typename T, typename C>
+__device__ void rope_kv_write(T* qkv, const int* positions, const float* cos_sin, int num_heads,
+                              int num_kv_heads, int head_dim, int rotary_dim, const int* slots,
+                              C* k_cache, C* v_cache) {
+    const int row_len = (num_heads + 2 * num_kv_heads) * head_dim;
+    rope<T>(qkv, positions, cos_sin, num_heads + num_kv_heads, head_dim, rotary_dim, row_len);
+    __syncthreads();
+    kv_write<T, C>(qkv, slots, num_heads * head_dim, num_kv_heads * head_dim, row_len, k_cache,
+                   v_cache);
+}
+
 template <typename T>
 __device__ void gather_rows(const T* x, const int* indices, int dim, T* out) {
     const long long row = blockIdx.x;
@@ -163,6 +175,11 @@ __device__ void bias_add(T* out, const float* bias, int n, long long ld) {
     extern "C" __global__ void kv_write_##S##_##SC(const T* qkv, const int* slots, int q_len,      \
                                                    int kv_len, int rl, C* kc, C* vc) {             \
         kv_write<T, C>(qkv, slots, q_len, kv_len, rl, kc, vc);                                     \
+    }                                                                                              \
+    extern "C" __global__ void rope_kv_write_##S##_##SC(T* qkv, const int* pos, const float* cs,   \
+                                                        int nh, int nkv, int hd, int rd,           \
+                                                        const int* slots, C* kc, C* vc) {          \
+        rope_kv_write<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc);                         \
     }
 
 ELEMENTWISE(float, f32)

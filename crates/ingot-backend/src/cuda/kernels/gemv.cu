@@ -1,5 +1,6 @@
 // Matrix-vector products for decode steps of a few rows: out[r, j] = Σ_k x[r, k] · w[j, k]
-// for r < M (1 to 4). A block of 256 threads owns ROWS output columns: every thread reads
+// for r < M (1 to 4), optionally with x = silu(gate) * up computed as it is read (the MLP's
+// down projection). A block of 256 threads owns ROWS output columns: every thread reads
 // 16 bytes of each of the ROWS weight rows per step along k (so many independent loads are
 // in flight), the partial sums meet in shared memory. Weights, the bytes that bound a
 // decode step, are read once; f32 accumulation in an order that does not depend on M.
@@ -14,8 +15,24 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
     for (int i = 0; i < 8; i++) f[i] = to_f32(e[i]);
 }
 
+// 8 elements of row r of the input at column kk. With SILU the input holds rows of
+// [gate | up], 2k wide, and the value is silu(gate) * up rounded to T, as silu_mul writes it.
+template <typename T, bool SILU>
+__device__ __forceinline__ void load_x(const T* x, int k, int r, int kk, float* xf) {
+    if (SILU) {
+        float g[8], u[8];
+        const T* row = x + (long long)r * 2 * k + kk;
+        unpack8<T>(*reinterpret_cast<const uint4*>(row), g);
+        unpack8<T>(*reinterpret_cast<const uint4*>(row + k), u);
+#pragma unroll
+        for (int i = 0; i < 8; i++) xf[i] = round_to<T>(g[i] / (1.0f + expf(-g[i])) * u[i]);
+    } else {
+        unpack8<T>(*reinterpret_cast<const uint4*>(x + (long long)r * k + kk), xf);
+    }
+}
+
 // Grid: ceil(n / ROWS) blocks. k is a multiple of 8 and x and w are 16-byte aligned.
-template <typename T, typename O, int M>
+template <typename T, typename O, int M, bool SILU>
 __device__ void gemv(const T* x, const T* w, int n, int k, O* out, long long ld) {
     __shared__ float partial[THREADS / 32][M][ROWS];
     const int j0 = blockIdx.x * ROWS;
@@ -35,7 +52,7 @@ __device__ void gemv(const T* x, const T* w, int n, int k, O* out, long long ld)
 #pragma unroll
         for (int r = 0; r < M; r++) {
             float xf[8];
-            unpack8<T>(*reinterpret_cast<const uint4*>(x + (long long)r * k + kk), xf);
+            load_x<T, SILU>(x, k, r, kk, xf);
 #pragma unroll
             for (int c = 0; c < ROWS; c++) {
                 float wf[8];
@@ -68,7 +85,11 @@ __device__ void gemv(const T* x, const T* w, int n, int k, O* out, long long ld)
 #define GEMV(T, S, O, SO, M)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_##S##_##SO##_m##M(                  \
         const T* x, const T* w, int n, int k, O* out, long long ld) {                              \
-        gemv<T, O, M>(x, w, n, k, out, ld);                                                        \
+        gemv<T, O, M, false>(x, w, n, k, out, ld);                                                 \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS) gemv_silu_##S##_##SO##_m##M(             \
+        const T* x, const T* w, int n, int k, O* out, long long ld) {                              \
+        gemv<T, O, M, true>(x, w, n, k, out, ld);                                                  \
     }
 
 #define GEMV_ALL(T, S, O, SO) GEMV(T, S, O, SO, 1) GEMV(T, S, O, SO, 2) GEMV(T, S, O, SO, 3) GEMV(T, S, O, SO, 4)
