@@ -156,9 +156,10 @@ fn greedy_tokens(e: &mut Engine<CudaBackend>, prompts: &[Vec<u32>], n: usize) ->
         .collect()
 }
 
-/// bf16 on the GPU: cuBLASLt picks its GEMM algorithm by the number of rows, so a request's
-/// logits can round differently in another batch. This measures how often greedy tokens
-/// change across batch sizes 1–64 and budgets 64–8192 and bounds it.
+/// bf16 on the GPU: decode steps of up to 4 rows run our GEMV kernels and larger ones
+/// cuBLASLt, which also picks its algorithm by the number of rows, so a request's logits can
+/// round differently in another batch. This measures how often greedy tokens change across
+/// batch sizes 1–64 and budgets 64–8192 and bounds it.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn greedy_tokens_across_batches_and_budgets() {
@@ -217,9 +218,10 @@ fn greedy_tokens_across_batches_and_budgets() {
     println!(
         "bf16 greedy invariance: {same}/{total} requests identical to their run alone, {tokens_same}/{tokens_total} tokens before the first divergence"
     );
+    // Near-ties flip under bf16 rounding; a broken kernel diverges early and everywhere.
     assert!(
-        same * 10 >= total * 9,
-        "only {same}/{total} requests kept their tokens"
+        same * 10 >= total * 8 && tokens_same * 10 >= tokens_total * 9,
+        "only {same}/{total} requests and {tokens_same}/{tokens_total} tokens kept"
     );
 }
 

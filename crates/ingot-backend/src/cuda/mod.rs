@@ -261,18 +261,18 @@ impl CudaBackend {
             layout.row_len() as i32,
         );
         let (splits, min_part) = (NUM_SPLITS as i32, MIN_SPLIT);
-        // Workspace: partial outputs, then (max, sum) pairs, then the counters, for the
-        // capacity's rows; this launch uses the first `rows` of each.
-        let capacity = workspace.numel / Self::workspace_per_row(layout);
-        let partials = capacity * layout.num_heads * NUM_SPLITS;
+        // Workspace: partial outputs, then (max, sum) pairs, for `rows` rows.
+        let partials = rows * layout.num_heads * NUM_SPLITS;
         let ws_o = workspace.ptr;
         let ws_ml = workspace.at(partials * d);
-        let counters = workspace.at(partials * (d + 2));
-        let o = out.ptr;
         launch!(self, format!("split_kv_attention_{t}_{c}_d{d}"),
             (heads_x, rows as u32, NUM_SPLITS as u32), 128;
             qkv_p, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, splits, min_part,
-            ws_o, ws_ml, counters, o);
+            ws_o, ws_ml);
+        let (o, hd) = (out.ptr, d as i32);
+        launch!(self, format!("split_kv_reduce_{t}"),
+            (layout.num_heads as u32, rows as u32, 1), row_threads(d).min(128);
+            qsl, sl, ns, off, nh, hd, splits, min_part, ws_o, ws_ml, o);
     }
 
     /// Whether a product of `m` rows runs through the GEMV kernels: a few rows of 16-bit
@@ -313,9 +313,9 @@ impl CudaBackend {
             (n.div_ceil(GEMV_COLUMNS) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
     }
 
-    /// Workspace elements (f32 or i32) one row of split-KV attention needs.
+    /// Workspace f32 elements one row of split-KV attention needs.
     fn workspace_per_row(layout: QkvLayout) -> usize {
-        layout.num_heads * (NUM_SPLITS * (layout.head_dim + 2) + 1)
+        layout.num_heads * NUM_SPLITS * (layout.head_dim + 2)
     }
 }
 

@@ -2,10 +2,10 @@
 // query_start_loc[s]..query_start_loc[s+1], the last tokens of its context of seq_lens[s]
 // tokens; keys and values are read from the cache through its block table.
 //
-// split_kv_attention: one query token per grid row, each KV head read once for its group
-// of query heads, the context cut into at most `num_splits` parts that run in parallel
-// (flash-decoding) and are merged by the last of them to finish. A token's split depends
-// only on its own context length, so results do not depend on the batch.
+// split_kv_attention + split_kv_reduce: one query token per grid row, each KV head read
+// once for its group of query heads, the context cut into at most `num_splits` parts that
+// run in parallel (flash-decoding) and are merged by the reduce kernel. A token's split
+// depends only on its own context length, so results do not depend on the batch.
 //
 // prefill_attention: 64 query tokens x one head per block on tensor cores (mma.sync
 // m16n8k16, f32 accumulation), online softmax in f32, causal over the paged context.
@@ -47,13 +47,6 @@ __device__ __forceinline__ int token_context(const int* query_start_loc, const i
     return seq_lens[s] - q_len + (token - query_start_loc[s]) + 1;
 }
 
-// A load that skips the (non-coherent) L1 cache: data other blocks wrote in this launch.
-__device__ __forceinline__ float ld_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ u32 smem_address(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -75,15 +68,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // The block streams its split's keys and values through shared memory in tiles of 64
 // bytes' worth of keys per row (cp.async, two stages, so one tile loads while the last
 // is used); warp w owns query heads w, w + WARPS, … of the group and keeps their online
-// softmax. Each split leaves its unnormalized output, maximum and sum in the workspace; the
-// last one writes the merged output. `counters` (one per row and block column) start at 0.
+// softmax. Writes per (row, head, split) the unnormalized output, the maximum and the sum.
 template <typename T, typename C, int D>
 __device__ void split_kv_attention(const T* qkv, const int* query_start_loc, const int* seq_lens,
                                    const int* block_tables, int max_blocks, int num_seqs,
                                    int token_offset, const C* k_cache, const C* v_cache,
                                    int block_size, int num_heads, int num_kv_heads, int row_len,
                                    float scale, int num_splits, int min_part, float* ws_o,
-                                   float* ws_ml, int* counters, T* out) {
+                                   float* ws_ml) {
     constexpr int EPV = 16 / sizeof(C);  // cache elements per 16-byte copy
     constexpr int BK = 64 / sizeof(C);   // keys per tile: 32 for 16-bit caches, 16 for f32
     constexpr int ROW = D + EPV;         // padded smem row: conflict-free 16-byte reads
@@ -199,32 +191,31 @@ __device__ void split_kv_attention(const T* qkv, const int* query_start_loc, con
             ws_ml[at * 2 + 1] = l[h];
         }
     }
-    // The last split block to finish merges every split, in split order, so the result does
-    // not depend on which block was last. It resets the counter for the next step.
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
+}
+
+// Grid: (num_heads, rows). Merges the splits of each (row, head) into the output.
+template <typename T>
+__device__ void split_kv_reduce(const int* query_start_loc, const int* seq_lens, int num_seqs,
+                                int token_offset, int num_heads, int head_dim, int num_splits,
+                                int min_part, const float* ws_o, const float* ws_ml, T* out) {
+    const int head = blockIdx.x, row = blockIdx.y;
+    const int token = token_offset + row;
+    int s;
+    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, token, &s);
+    const int part = split_len(ctx, num_splits, min_part);
     const int n = (ctx + part - 1) / part;
-    if (threadIdx.x == 0) {
-        int* counter = counters + (long long)row * gridDim.x + blockIdx.x;
-        is_last = atomicAdd(counter, 1) == n - 1;
-        if (is_last) *counter = 0;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D, d = i - g * D;
-        const long long base = ((long long)row * num_heads + h0 + g) * num_splits;
-        float mmax = NEG_INF;
-        for (int p = 0; p < n; p++) mmax = fmaxf(mmax, ld_cg(ws_ml + (base + p) * 2));
-        float sum = 0.0f, o = 0.0f;
-        for (int p = 0; p < n; p++) {
-            const float f = expf(ld_cg(ws_ml + (base + p) * 2) - mmax);
-            sum += ld_cg(ws_ml + (base + p) * 2 + 1) * f;
-            o += ld_cg(ws_o + (base + p) * D + d) * f;
-        }
-        out[(long long)token * num_heads * D + (long long)(h0 + g) * D + d] = from_f32<T>(o / sum);
+    const long long base = ((long long)row * num_heads + head) * num_splits;
+    float mmax = NEG_INF;
+    for (int p = 0; p < n; p++) mmax = fmaxf(mmax, ws_ml[(base + p) * 2]);
+    float sum = 0.0f;
+    for (int p = 0; p < n; p++) sum += ws_ml[(base + p) * 2 + 1] * expf(ws_ml[(base + p) * 2] - mmax);
+    const float inv = 1.0f / sum;
+    T* o = out + (long long)token * num_heads * head_dim + (long long)head * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float v = 0.0f;
+        for (int p = 0; p < n; p++)
+            v += ws_o[(base + p) * head_dim + d] * expf(ws_ml[(base + p) * 2] - mmax);
+        o[d] = from_f32<T>(v * inv);
     }
 }
 
@@ -424,9 +415,9 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
         split_kv_attention_##S##_##SC##_d##D(                                                      \
             const T* qkv, const int* qsl, const int* sl, const int* bt, int mb, int ns, int off,   \
             const C* kc, const C* vc, int bs, int nh, int nkv, int rl, float scale, int splits,    \
-            int min_part, float* ws_o, float* ws_ml, int* counters, T* out) {                      \
+            int min_part, float* ws_o, float* ws_ml) {                                             \
         split_kv_attention<T, C, D>(qkv, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, \
-                                    splits, min_part, ws_o, ws_ml, counters, out);                 \
+                                    splits, min_part, ws_o, ws_ml);                                \
     }
 
 #define SPLIT_KV_ALL(T, S, C, SC) \
@@ -434,6 +425,12 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
     SPLIT_KV(T, S, C, SC, 64)     \
     SPLIT_KV(T, S, C, SC, 128)
 
+#define REDUCE(T, S)                                                                               \
+    extern "C" __global__ void split_kv_reduce_##S(const int* qsl, const int* sl, int ns, int off, \
+                                                   int nh, int hd, int splits, int min_part,       \
+                                                   const float* ws_o, const float* ws_ml, T* out) { \
+        split_kv_reduce<T>(qsl, sl, ns, off, nh, hd, splits, min_part, ws_o, ws_ml, out);          \
+    }
 
 #define PREFILL(T, S, D)                                                                           \
     extern "C" __global__ void __launch_bounds__(128) prefill_attention_##S##_d##D(                \
@@ -451,6 +448,9 @@ SPLIT_KV_ALL(f16, f16, bf16, bf16)
 SPLIT_KV_ALL(bf16, bf16, float, f32)
 SPLIT_KV_ALL(bf16, bf16, f16, f16)
 SPLIT_KV_ALL(bf16, bf16, bf16, bf16)
+REDUCE(float, f32)
+REDUCE(f16, f16)
+REDUCE(bf16, bf16)
 PREFILL(f16, f16, 32)
 PREFILL(f16, f16, 64)
 PREFILL(f16, f16, 128)
