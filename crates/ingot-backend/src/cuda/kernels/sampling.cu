@@ -1,5 +1,18 @@
 // Token selection on the device, so a step sends back token ids instead of logits.
 
+// The larger value across the warp, the lower index on ties, in every lane.
+__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, best, o);
+        const int j = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (v > best || (v == best && j < idx)) {
+            best = v;
+            idx = j;
+        }
+    }
+}
+
 // One block per row: each thread keeps the first maximum of its strided slice, then the
 // block keeps the larger value, the lower index on ties (torch.argmax's choice).
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out) {
@@ -15,15 +28,7 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
             idx = i;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffffu, best, o);
-        const int j = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (v > best || (v == best && j < idx)) {
-            best = v;
-            idx = j;
-        }
-    }
+    warp_argmax(best, idx);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         s_val[warp] = best;
@@ -34,15 +39,7 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
         const int warps = blockDim.x >> 5;
         best = lane < warps ? s_val[lane] : NEG_INF;
         idx = lane < warps ? s_idx[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float v = __shfl_xor_sync(0xffffffffu, best, o);
-            const int j = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (v > best || (v == best && j < idx)) {
-                best = v;
-                idx = j;
-            }
-        }
+        warp_argmax(best, idx);
         if (lane == 0) out[blockIdx.x] = idx;
     }
 }
