@@ -112,3 +112,33 @@ pub fn tensor(
         data: Cow::Owned(data),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    fn config() -> ModelConfig {
+        ModelConfig::from_hf_json(
+            r#"{"model_type":"qwen2","hidden_size":64,"intermediate_size":96,"num_hidden_layers":2,
+                "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"tie_word_embeddings":true}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn weights_are_reproducible_and_follow_the_config() {
+        let cfg = config();
+        let q = tensor(Role::Q, 1, &cfg, DType::BF16).unwrap();
+        assert_eq!((q.dtype, q.shape.clone()), (DType::BF16, vec![64, 64]));
+        assert_eq!(q.data, tensor(Role::Q, 1, &cfg, DType::BF16).unwrap().data);
+        assert_ne!(q.data, tensor(Role::Q, 0, &cfg, DType::BF16).unwrap().data);
+        let norm = tensor(Role::AttnNorm, 0, &cfg, DType::BF16).unwrap();
+        assert!(norm.dtype == DType::F32 && norm.to_f32().iter().all(|v| (0.9..=1.1).contains(v)));
+        // Qwen2 has q/k/v biases and tied embeddings, no q/k norms.
+        assert!(tensor(Role::QBias, 0, &cfg, DType::BF16).is_some());
+        assert!(tensor(Role::LmHead, 0, &cfg, DType::BF16).is_none());
+        assert!(tensor(Role::QNorm, 0, &cfg, DType::BF16).is_none());
+        assert_eq!(tensor_count(&cfg), 2 + 2 * 12);
+    }
+}

@@ -135,3 +135,92 @@ fn bad_arguments_are_reported() {
     assert_eq!(dtype.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&dtype.stderr).contains("int3"));
 }
+
+/// `bench latency` on dummy weights from a directory holding only config.json: every
+/// figure is reported, and the numbers are measured (positive, ordered as they must be).
+#[test]
+fn bench_latency_runs_on_dummy_weights_from_a_config() {
+    let dir = std::env::temp_dir().join(format!("ingot-cli-dummy-{}", std::process::id()));
+    SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::remove_file(dir.join(f)).unwrap();
+    }
+    let model = dir.to_str().unwrap();
+    let run = || {
+        ingot(&[
+            "bench",
+            "latency",
+            "--model",
+            model,
+            "--load-format",
+            "dummy",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--batch-size",
+            "3",
+            "--input-len",
+            "20",
+            "--output-len",
+            "5",
+            "--warmup",
+            "0",
+            "--iters",
+            "2",
+            "--format",
+            "json",
+        ])
+    };
+    let out = run();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (v["batch_size"].as_u64(), v["iters"].as_u64()),
+        (Some(3), Some(2))
+    );
+    for key in [
+        "ttft_ms",
+        "tpot_ms",
+        "e2e_ms",
+        "prefill_tok_s",
+        "decode_tok_s",
+    ] {
+        let s = &v[key];
+        let (min, med, max) = (
+            s["min"].as_f64().unwrap(),
+            s["median"].as_f64().unwrap(),
+            s["max"].as_f64().unwrap(),
+        );
+        assert!(0.0 < min && min <= med && med <= max, "{key}: {s}");
+    }
+    assert!(v["e2e_ms"]["min"].as_f64() > v["ttft_ms"]["min"].as_f64());
+    // Without the auto format the directory is not a checkpoint.
+    let plain = ingot(&[
+        "generate", "--model", model, "--prompt", "w3", "--device", "cpu",
+    ]);
+    assert!(!plain.status.success());
+    assert!(String::from_utf8_lossy(&plain.stderr).contains("model.safetensors"));
+    // A GPU profile needs op-by-op steps.
+    let out = ingot(&[
+        "bench",
+        "latency",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--profile-ops",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--enforce-eager"));
+    std::fs::remove_dir_all(&dir).ok();
+}
