@@ -188,6 +188,18 @@ impl CudaBackend {
         })
     }
 
+    /// The first `n` elements of `src`, read as `T`, once the work before them has run.
+    fn read<T: bytemuck::Pod>(&self, src: &CudaBuffer, n: usize) -> Result<Vec<T>> {
+        let mut host = vec![T::zeroed(); n];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut host);
+        if !bytes.is_empty() {
+            self.stream
+                .memcpy_dtoh(&src.slice.slice(..bytes.len()), bytes)?;
+        }
+        self.synchronize()?;
+        Ok(host)
+    }
+
     /// Runs `enqueue` (one op), between two timing events while profiling.
     fn timed(&self, op: &str, enqueue: impl FnOnce() -> Result<()>) {
         let mut profiler = self.profiler.lock().unwrap_or_else(|p| p.into_inner());
@@ -384,30 +396,17 @@ impl Backend for CudaBackend {
     }
 
     fn download_f32(&self, src: &CudaBuffer, numel: usize) -> Result<Vec<f32>> {
-        if src.dtype == DType::F32 {
-            let mut host = vec![0f32; numel];
-            if numel > 0 {
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut host);
-                self.stream
-                    .memcpy_dtoh(&src.slice.slice(..4 * numel), bytes)?;
-            }
-            self.synchronize()?;
-            return Ok(host);
-        }
-        let n = src.dtype.bytes_for(numel);
-        let mut host = vec![0u8; n];
-        if n > 0 {
-            self.stream.memcpy_dtoh(&src.slice.slice(..n), &mut host)?;
-        }
-        self.synchronize()?;
         Ok(match src.dtype {
-            DType::F16 => host
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            DType::F32 => self.read(src, numel)?,
+            DType::F16 => self
+                .read::<half::f16>(src, numel)?
+                .iter()
+                .map(|v| v.to_f32())
                 .collect(),
-            DType::BF16 => host
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            DType::BF16 => self
+                .read::<half::bf16>(src, numel)?
+                .iter()
+                .map(|v| v.to_f32())
                 .collect(),
             other => bail!("cannot read {other} buffers as f32"),
         })
@@ -442,13 +441,7 @@ impl Backend for CudaBackend {
     }
 
     fn download_i32(&self, src: &CudaBuffer, n: usize) -> Result<Vec<i32>> {
-        let mut host = vec![0i32; n];
-        if n > 0 {
-            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut host);
-            self.stream.memcpy_dtoh(&src.slice.slice(..4 * n), bytes)?;
-        }
-        self.synchronize()?;
-        Ok(host)
+        self.read(src, n)
     }
 
     fn start_op_profile(&self) -> Result<()> {
