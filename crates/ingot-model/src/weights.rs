@@ -19,14 +19,19 @@ pub enum WeightDType {
 }
 
 impl WeightDType {
+    /// The dtype asked for, or `None` for `auto`.
+    pub fn fixed(self) -> Option<DType> {
+        match self {
+            WeightDType::Auto => None,
+            WeightDType::F32 => Some(DType::F32),
+            WeightDType::F16 => Some(DType::F16),
+            WeightDType::BF16 => Some(DType::BF16),
+        }
+    }
+
     /// The dtype a matrix stored as `stored` is converted to.
     pub fn apply(self, stored: DType) -> DType {
-        match self {
-            WeightDType::Auto => stored,
-            WeightDType::F32 => DType::F32,
-            WeightDType::F16 => DType::F16,
-            WeightDType::BF16 => DType::BF16,
-        }
+        self.fixed().unwrap_or(stored)
     }
 }
 

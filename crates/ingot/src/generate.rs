@@ -1,12 +1,13 @@
 //! `ingot generate`: prompts through the engine, printed as text or JSON lines.
 
 use crate::device::{ModelArgs, OnBackend};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{ArgGroup, ValueEnum};
-use ingot_backend::{Backend, DType};
+use ingot_backend::Backend;
 use ingot_core::SamplingParams;
 use ingot_engine::{Engine, EngineConfig};
 use ingot_model::chat::Message;
+use ingot_model::WeightDType;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -82,8 +83,8 @@ pub struct EngineArgs {
     #[arg(long)]
     kv_cache_memory: Option<usize>,
     /// Element type of the KV cache: auto (the model's activation dtype), f32, f16 or bf16.
-    #[arg(long, default_value = "auto", value_parser = parse_kv_dtype)]
-    kv_cache_dtype: KvCacheDType,
+    #[arg(long, default_value = "auto")]
+    kv_cache_dtype: WeightDType,
     /// Share of the GPU's memory ingot may use.
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
@@ -94,20 +95,6 @@ pub struct EngineArgs {
     pub enforce_eager: bool,
 }
 
-/// `None` is `auto`.
-#[derive(Clone, Copy)]
-pub struct KvCacheDType(Option<DType>);
-
-fn parse_kv_dtype(s: &str) -> Result<KvCacheDType> {
-    Ok(KvCacheDType(match s {
-        "auto" => None,
-        "f32" | "float32" => Some(DType::F32),
-        "f16" | "float16" | "half" => Some(DType::F16),
-        "bf16" | "bfloat16" => Some(DType::BF16),
-        other => bail!("unknown KV cache dtype `{other}` (expected auto, f32, f16 or bf16)"),
-    }))
-}
-
 impl EngineArgs {
     pub fn config(&self) -> EngineConfig {
         EngineConfig {
@@ -116,7 +103,7 @@ impl EngineArgs {
             max_model_len: self.max_model_len,
             block_size: self.block_size,
             kv_cache_memory: self.kv_cache_memory,
-            kv_cache_dtype: self.kv_cache_dtype.0,
+            kv_cache_dtype: self.kv_cache_dtype.fixed(),
             gpu_memory_utilization: self.gpu_memory_utilization,
             prefix_caching: !self.no_prefix_caching,
             enforce_eager: self.enforce_eager,
