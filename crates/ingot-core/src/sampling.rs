@@ -63,6 +63,14 @@ impl Default for SamplingParams {
 
 /// Most logprobs one step may return.
 pub const MAX_LOGPROBS: usize = 20;
+/// Stop strings one request may give: each is searched for after every token.
+pub const MAX_STOP_STRINGS: usize = 64;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Most `stop_token_ids` entries.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+/// Most `logit_bias` entries: each is applied to every sampled row.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[error("invalid `{field}`: {message}")]
@@ -131,6 +139,16 @@ impl SamplingParams {
             "frequency_penalty",
             || format!("must be in [-2, 2], got {}", self.frequency_penalty),
         )?;
+        check(
+            self.logit_bias.len() <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            || {
+                format!(
+                    "at most {MAX_LOGIT_BIAS} entries, got {}",
+                    self.logit_bias.len()
+                )
+            },
+        )?;
         for (&id, &bias) in &self.logit_bias {
             check((id as usize) < vocab_size, "logit_bias", || {
                 format!("token id {id} is outside the vocabulary of {vocab_size}")
@@ -145,9 +163,34 @@ impl SamplingParams {
         check(self.min_tokens <= self.max_tokens, "min_tokens", || {
             format!("{} exceeds max_tokens {}", self.min_tokens, self.max_tokens)
         })?;
+        check(self.stop.len() <= MAX_STOP_STRINGS, "stop", || {
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                self.stop.len()
+            )
+        })?;
         check(self.stop.iter().all(|s| !s.is_empty()), "stop", || {
             "stop strings must not be empty".into()
         })?;
+        if let Some(s) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(InvalidParam {
+                field: "stop",
+                message: format!(
+                    "a stop string is at most {MAX_STOP_BYTES} bytes, got {}",
+                    s.len()
+                ),
+            });
+        }
+        check(
+            self.stop_token_ids.len() <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            || {
+                format!(
+                    "at most {MAX_STOP_TOKEN_IDS} entries, got {}",
+                    self.stop_token_ids.len()
+                )
+            },
+        )?;
         for &id in &self.stop_token_ids {
             check((id as usize) < vocab_size, "stop_token_ids", || {
                 format!("token id {id} is outside the vocabulary of {vocab_size}")
@@ -199,7 +242,11 @@ mod tests {
                 ..Default::default()
             },
             SamplingParams {
-                logit_bias: [(1000, 1.0)].into(),
+                logit_bias: [(5000, 1.0)].into(),
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: (0..=MAX_LOGIT_BIAS as u32).map(|t| (t, 1.0)).collect(),
                 ..Default::default()
             },
             SamplingParams {
@@ -216,7 +263,19 @@ mod tests {
                 ..Default::default()
             },
             SamplingParams {
+                stop: vec!["x".into(); MAX_STOP_STRINGS + 1],
+                ..Default::default()
+            },
+            SamplingParams {
+                stop: vec!["x".repeat(MAX_STOP_BYTES + 1)],
+                ..Default::default()
+            },
+            SamplingParams {
                 stop_token_ids: vec![5000],
+                ..Default::default()
+            },
+            SamplingParams {
+                stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1],
                 ..Default::default()
             },
             SamplingParams {
@@ -237,15 +296,19 @@ mod tests {
             "presence_penalty",
             "frequency_penalty",
             "logit_bias",
+            "logit_bias",
             "max_tokens",
             "min_tokens",
             "stop",
+            "stop",
+            "stop",
+            "stop_token_ids",
             "stop_token_ids",
             "logprobs",
             "n",
         ];
         for (p, f) in bad.iter().zip(fields) {
-            let e = p.validate(100).unwrap_err();
+            let e = p.validate(2000).unwrap_err();
             assert_eq!(e.field, f, "{e}");
             assert!(e.to_string().contains(f));
         }

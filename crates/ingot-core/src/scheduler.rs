@@ -38,6 +38,14 @@ pub enum AdmissionError {
     },
     #[error("the request needs {needed} KV cache blocks but the cache holds only {available}")]
     CacheTooSmall { needed: usize, available: usize },
+    #[error(
+        "invalid `n`: {n} samples of this prompt need {needed} KV cache blocks together, but the cache holds only {available}"
+    )]
+    TooManySamples {
+        n: usize,
+        needed: usize,
+        available: usize,
+    },
 }
 
 /// One sequence's share of a step: tokens `start..start + len` of it.
@@ -77,11 +85,13 @@ impl Scheduler {
         }
     }
 
-    /// Checks that a sequence with this prompt and output limit can ever run.
+    /// Checks that `n` samples of this prompt, each up to `max_tokens` long, can all be in
+    /// the cache at once (sharing the prompt's full blocks when prefix caching is on).
     pub fn check_admissible(
         &self,
         prompt_len: usize,
         max_tokens: usize,
+        n: usize,
     ) -> Result<(), AdmissionError> {
         let c = &self.config;
         if prompt_len == 0 {
@@ -102,11 +112,26 @@ impl Scheduler {
                 available: c.num_blocks,
             });
         }
+        // A sibling finds the prompt's full blocks in the cache, except one holding the last
+        // prompt token: that token is always computed.
+        let shared = if c.prefix_caching {
+            (prompt_len - 1) / c.block_size
+        } else {
+            0
+        };
+        let together = shared + n.saturating_mul(needed - shared);
+        if together > c.num_blocks {
+            return Err(AdmissionError::TooManySamples {
+                n,
+                needed: together,
+                available: c.num_blocks,
+            });
+        }
         Ok(())
     }
 
     pub fn add(&mut self, seq: Sequence) -> Result<(), AdmissionError> {
-        self.check_admissible(seq.prompt_len, seq.max_tokens)?;
+        self.check_admissible(seq.prompt_len, seq.max_tokens, 1)?;
         self.waiting.push_back(seq);
         Ok(())
     }
@@ -125,6 +150,10 @@ impl Scheduler {
 
     pub fn running(&self) -> &[Sequence] {
         &self.running
+    }
+
+    pub fn waiting(&self) -> impl Iterator<Item = &Sequence> {
+        self.waiting.iter()
     }
 
     pub fn get(&self, id: SeqId) -> Option<&Sequence> {
@@ -342,15 +371,22 @@ mod tests {
     #[test]
     fn impossible_requests_are_rejected_at_admission() {
         let s = Scheduler::new(config(4));
-        assert_eq!(s.check_admissible(0, 1), Err(AdmissionError::EmptyPrompt));
+        assert_eq!(
+            s.check_admissible(0, 1, 1),
+            Err(AdmissionError::EmptyPrompt)
+        );
         assert!(matches!(
-            s.check_admissible(64, 1),
+            s.check_admissible(64, 1, 1),
             Err(AdmissionError::TooLong { .. })
         ));
         assert!(matches!(
-            s.check_admissible(20, 10),
+            s.check_admissible(20, 10, 1),
             Err(AdmissionError::CacheTooSmall { .. })
         ));
-        assert_eq!(s.check_admissible(10, 6), Ok(()));
+        assert_eq!(s.check_admissible(10, 6, 1), Ok(()));
+        assert!(matches!(
+            s.check_admissible(10, 6, 2),
+            Err(AdmissionError::TooManySamples { n: 2, .. })
+        ));
     }
 }

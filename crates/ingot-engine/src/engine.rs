@@ -33,6 +33,8 @@ pub struct EngineConfig {
     pub prefix_caching: bool,
     /// Run decode steps op by op instead of replaying recorded (CUDA graph) steps.
     pub enforce_eager: bool,
+    /// Refuse a request whose sequences would take the number waiting beyond this.
+    pub max_waiting: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -47,6 +49,7 @@ impl Default for EngineConfig {
             gpu_memory_utilization: 0.9,
             prefix_caching: true,
             enforce_eager: false,
+            max_waiting: None,
         }
     }
 }
@@ -109,10 +112,25 @@ pub struct StepInfo {
     pub execute: Duration,
 }
 
+/// A request refused because the queue is full: the client may retry later.
+#[derive(Debug, thiserror::Error)]
+#[error("the server is at capacity: {waiting} sequences are waiting and this request adds {adds} (limit {limit})")]
+pub struct QueueFull {
+    pub waiting: usize,
+    pub adds: usize,
+    pub limit: usize,
+}
+
+/// Counts of sequences (each of a request's `n` samples is one) and of requests: a request
+/// runs while any of its sequences runs, and waits otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineStats {
     pub num_running: usize,
+    /// Sequences in the queue, and samples 2..n of requests whose first sample is still in
+    /// its prefill.
     pub num_waiting: usize,
+    pub num_requests_running: usize,
+    pub num_requests_waiting: usize,
     pub num_preemptions: u64,
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
@@ -121,13 +139,37 @@ pub struct EngineStats {
     pub total_blocks: usize,
 }
 
+/// Samples 2..n of a request, made only once the first sample's prefill is done: then they
+/// find the prompt's blocks in the prefix cache, and a queued request costs the same
+/// whatever its `n`.
+struct Siblings {
+    /// The first sample's sequence.
+    first: SeqId,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    arrival: Instant,
+}
+
+/// A request's live sequences, and its siblings still to be made.
+#[derive(Default)]
+struct RequestState {
+    seqs: Vec<SeqId>,
+    siblings: Option<Siblings>,
+}
+
+impl RequestState {
+    fn num_siblings(&self) -> usize {
+        self.siblings.as_ref().map_or(0, |s| s.params.n - 1)
+    }
+}
+
 pub struct Engine<B: Backend> {
     runner: ModelRunner<B>,
     scheduler: Scheduler,
     tokenizer: Arc<Tokenizer>,
     seqs: HashMap<SeqId, SeqState>,
-    /// Samples 2..n of a request, keyed by the first sample's id, until its prefill is done.
-    siblings: HashMap<SeqId, Vec<Sequence>>,
+    requests: HashMap<RequestId, RequestState>,
+    max_waiting: Option<usize>,
     next_seq: SeqId,
     /// Ids for `generate`'s requests, kept apart from callers' ids.
     next_offline_request: RequestId,
@@ -238,7 +280,8 @@ impl<B: Backend> Engine<B> {
             scheduler,
             tokenizer,
             seqs: HashMap::new(),
-            siblings: HashMap::new(),
+            requests: HashMap::new(),
+            max_waiting: config.max_waiting,
             next_seq: 0,
             next_offline_request: 1 << 63,
             last_step: StepInfo::default(),
@@ -262,14 +305,33 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn has_work(&self) -> bool {
-        self.scheduler.has_work() || !self.siblings.is_empty()
+        // Siblings wait on their first sample, which is in the scheduler until they are made.
+        self.scheduler.has_work()
+    }
+
+    /// Sequences waiting: queued, and siblings not yet made.
+    fn num_waiting(&self) -> usize {
+        self.scheduler.num_waiting()
+            + self
+                .requests
+                .values()
+                .map(RequestState::num_siblings)
+                .sum::<usize>()
     }
 
     pub fn stats(&self) -> EngineStats {
         let pool = &self.scheduler.pool;
+        let running: std::collections::HashSet<RequestId> = self
+            .scheduler
+            .running()
+            .iter()
+            .map(|s| self.seqs[&s.id].request_id)
+            .collect();
         EngineStats {
             num_running: self.scheduler.num_running(),
-            num_waiting: self.scheduler.num_waiting(),
+            num_waiting: self.num_waiting(),
+            num_requests_running: running.len(),
+            num_requests_waiting: self.requests.len() - running.len(),
             num_preemptions: self.scheduler.num_preemptions,
             prefix_cache_queries: pool.stats.queries,
             prefix_cache_hits: pool.stats.hits,
@@ -279,7 +341,8 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Queues a request; it is rejected here if its parameters are invalid or it can never fit.
+    /// Queues a request; it is rejected here if its parameters are invalid, it can never
+    /// fit, or (with [`QueueFull`]) the queue is full.
     pub fn add_request(
         &mut self,
         request_id: RequestId,
@@ -292,63 +355,140 @@ impl<B: Backend> Engine<B> {
             bail!("prompt token id {t} is outside the vocabulary of {vocab}");
         }
         self.scheduler
-            .check_admissible(prompt.len(), params.max_tokens)?;
-        for index in 0..params.n {
-            let id = self.next_seq;
-            self.next_seq += 1;
-            let sampler = Sampler::new(params.clone(), &self.tokenizer.eos_token_ids, index as u64);
-            let detok = Detokenizer::new(&prompt, params.skip_special_tokens);
-            self.seqs.insert(
-                id,
-                SeqState {
-                    request_id,
-                    index,
-                    sampler,
-                    detok,
-                    text: String::new(),
-                    sent: 0,
-                    arrival: Some(Instant::now()),
-                    queue_time: None,
-                },
-            );
-            let seq = Sequence::new(id, prompt.clone(), params.max_tokens);
-            if index == 0 {
-                self.scheduler.add(seq)?;
-            } else {
-                // Siblings wait for the first sample's prefill, then find its prompt
-                // blocks in the prefix cache and share them.
-                self.siblings
-                    .entry(id - index as u64)
-                    .or_default()
-                    .push(seq);
+            .check_admissible(prompt.len(), params.max_tokens, params.n)?;
+        if let Some(limit) = self.max_waiting {
+            let waiting = self.num_waiting();
+            if waiting + params.n > limit {
+                return Err(QueueFull {
+                    waiting,
+                    adds: params.n,
+                    limit,
+                }
+                .into());
             }
         }
+        let arrival = Instant::now();
+        let first = self.new_seq(request_id, 0, &prompt, &params, arrival);
+        let siblings = (params.n > 1).then_some(Siblings {
+            first,
+            prompt,
+            params,
+            arrival,
+        });
+        self.requests.insert(
+            request_id,
+            RequestState {
+                seqs: vec![first],
+                siblings,
+            },
+        );
         Ok(())
     }
 
-    /// Queues the siblings of sequence `first` once its prompt is in the cache.
-    fn release_siblings(&mut self, first: SeqId) {
-        for seq in self.siblings.remove(&first).unwrap_or_default() {
-            self.scheduler
-                .add(seq)
-                .expect("siblings pass the first sample's admission check");
+    /// Queues sample `index` of a request.
+    fn new_seq(
+        &mut self,
+        request_id: RequestId,
+        index: usize,
+        prompt: &[u32],
+        params: &SamplingParams,
+        arrival: Instant,
+    ) -> SeqId {
+        let id = self.next_seq;
+        self.next_seq += 1;
+        let sampler = Sampler::new(params.clone(), &self.tokenizer.eos_token_ids, index as u64);
+        let detok = Detokenizer::new(prompt, params.skip_special_tokens);
+        self.seqs.insert(
+            id,
+            SeqState {
+                request_id,
+                index,
+                sampler,
+                detok,
+                text: String::new(),
+                sent: 0,
+                arrival: Some(arrival),
+                queue_time: None,
+            },
+        );
+        self.scheduler
+            .add(Sequence::new(id, prompt.to_vec(), params.max_tokens))
+            .expect("admission checked every sample");
+        id
+    }
+
+    /// Makes and queues the siblings of a request whose first sample `first` has its
+    /// prompt in the cache.
+    fn release_siblings(&mut self, request_id: RequestId, first: SeqId) {
+        let Some(req) = self.requests.get_mut(&request_id) else {
+            return;
+        };
+        if req.siblings.as_ref().is_none_or(|s| s.first != first) {
+            return;
+        }
+        let sib = req.siblings.take().expect("checked above");
+        let ids: Vec<SeqId> = (1..sib.params.n)
+            .map(|index| self.new_seq(request_id, index, &sib.prompt, &sib.params, sib.arrival))
+            .collect();
+        if let Some(req) = self.requests.get_mut(&request_id) {
+            req.seqs.extend(ids);
         }
     }
 
-    /// Aborts every sequence of a request and frees its blocks at once.
-    pub fn abort(&mut self, request_id: RequestId) -> bool {
-        let ids: Vec<SeqId> = self
-            .seqs
-            .iter()
-            .filter(|(_, s)| s.request_id == request_id)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in &ids {
-            self.scheduler.remove(*id);
-            self.seqs.remove(id);
-            self.siblings.remove(id);
+    /// Forgets a finished sequence; the request goes when its last sequence does.
+    fn finish_seq(&mut self, request_id: RequestId, id: SeqId) {
+        self.scheduler.remove(id);
+        self.seqs.remove(&id);
+        if let Some(req) = self.requests.get_mut(&request_id) {
+            req.seqs.retain(|&s| s != id);
+            if req.seqs.is_empty() && req.siblings.is_none() {
+                self.requests.remove(&request_id);
+            }
         }
-        !ids.is_empty()
+    }
+
+    /// Aborts every sequence of a request, queued siblings included, and frees its blocks
+    /// at once.
+    pub fn abort(&mut self, request_id: RequestId) -> bool {
+        let Some(req) = self.requests.remove(&request_id) else {
+            return false;
+        };
+        for id in req.seqs {
+            self.scheduler.remove(id);
+            self.seqs.remove(&id);
+        }
+        true
+    }
+
+    /// Aborts every sequence that has not started: queued ones that have produced nothing
+    /// (a preempted sequence keeps its place) and siblings not yet made. Returns, per
+    /// request touched, how many samples it lost and whether it is gone.
+    pub fn abort_unstarted(&mut self) -> Vec<(RequestId, usize, bool)> {
+        let unstarted: Vec<SeqId> = self
+            .scheduler
+            .waiting()
+            .filter(|s| s.num_output() == 0)
+            .map(|s| s.id)
+            .collect();
+        let mut lost: HashMap<RequestId, usize> = HashMap::new();
+        for id in unstarted {
+            let request_id = self.seqs[&id].request_id;
+            *lost.entry(request_id).or_default() += 1;
+            self.scheduler.remove(id);
+            self.seqs.remove(&id);
+            if let Some(req) = self.requests.get_mut(&request_id) {
+                req.seqs.retain(|&s| s != id);
+            }
+        }
+        for (&request_id, req) in &mut self.requests {
+            if let Some(sib) = req.siblings.take() {
+                *lost.entry(request_id).or_default() += sib.params.n - 1;
+            }
+        }
+        self.requests.retain(|_, r| !r.seqs.is_empty());
+        lost.into_iter()
+            .map(|(id, n)| (id, n, !self.requests.contains_key(&id)))
+            .collect()
     }
 
     fn step_input(&self, out: &SchedulerOutput) -> (StepInput, Vec<SeqId>) {
@@ -438,12 +578,12 @@ impl<B: Backend> Engine<B> {
             self.scheduler.append(id, token);
             let seq = self.scheduler.get(id).expect("still running");
             let delta = Self::advance(&self.tokenizer, state, seq, token, logprobs)?;
+            let request_id = delta.request_id;
             if delta.finish_reason.is_some() {
-                self.scheduler.remove(id);
-                self.seqs.remove(&id);
+                self.finish_seq(request_id, id);
             }
             deltas.push(delta);
-            self.release_siblings(id);
+            self.release_siblings(request_id, id);
         }
         Ok(deltas)
     }

@@ -1,8 +1,8 @@
 //! The engine on its own thread: requests arrive through a channel, each request's output
 //! deltas leave through its own channel, and a request whose receiver is dropped (a
-//! disconnected client) is aborted at once.
+//! disconnected client) is aborted before the next step, all its sequences at once.
 
-use crate::engine::{Engine, EngineStats, RequestId, SeqDelta};
+use crate::engine::{Engine, EngineStats, QueueFull, RequestId, SeqDelta};
 use anyhow::Result;
 use ingot_backend::Backend;
 use ingot_core::SamplingParams;
@@ -19,13 +19,27 @@ pub enum SubmitError {
     /// Invalid parameters or a request that can never fit: the client's to fix.
     #[error("{0:#}")]
     Rejected(anyhow::Error),
+    /// The queue is full; the client may retry later.
+    #[error("{0}")]
+    AtCapacity(QueueFull),
+    #[error("the server is shutting down")]
+    ShuttingDown,
     #[error("the engine has stopped")]
     Stopped,
 }
 
+/// Why a request ended without finishing.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum Failure {
+    #[error("engine step failed: {0}")]
+    Step(String),
+    #[error("the server is shutting down and this request had not started")]
+    ShuttingDown,
+}
+
 /// What a request's channel carries. The channel is tokio's unbounded one: the engine
 /// thread sends without blocking, async servers `recv().await`, threads `blocking_recv()`.
-pub type Event = Result<SeqDelta, String>;
+pub type Event = Result<SeqDelta, Failure>;
 pub type Events = tokio::sync::mpsc::UnboundedReceiver<Event>;
 type EventSender = tokio::sync::mpsc::UnboundedSender<Event>;
 
@@ -38,6 +52,10 @@ enum Command {
         admitted: tokio::sync::oneshot::Sender<Result<()>>,
     },
     Abort(RequestId),
+    /// Shutting down: refuse new requests and abort those not started.
+    Drain,
+    /// Abort everything still in flight.
+    AbortAll,
 }
 
 /// A cloneable handle to the engine thread; the thread stops (after finishing what is in
@@ -169,6 +187,18 @@ impl EngineHandle {
         // A stopped engine has nothing left to abort.
         let _ = self.send(Command::Abort(id));
     }
+
+    /// The first step of a shutdown: new requests are refused, and sequences that have
+    /// not started are aborted (their clients get [`Failure::ShuttingDown`]); running ones
+    /// go on.
+    pub fn drain(&self) {
+        let _ = self.send(Command::Drain);
+    }
+
+    /// Aborts every request in flight (their clients get [`Failure::ShuttingDown`]).
+    pub fn abort_all(&self) {
+        let _ = self.send(Command::AbortAll);
+    }
 }
 
 /// The engine's answer to an `Add`: the request's channel, or why it was not taken.
@@ -179,11 +209,56 @@ fn admitted(
 ) -> Result<(RequestId, Events), SubmitError> {
     reply
         .map_err(|_| SubmitError::Stopped)?
-        .map_err(SubmitError::Rejected)?;
+        .map_err(|e| match e.downcast::<QueueFull>() {
+            Ok(full) => SubmitError::AtCapacity(full),
+            Err(e) if e.is::<Draining>() => SubmitError::ShuttingDown,
+            Err(e) => SubmitError::Rejected(e),
+        })?;
     Ok((id, events))
 }
 
-fn handle<B: Backend>(engine: &mut Engine<B>, live: &mut HashMap<RequestId, Live>, cmd: Command) {
+/// Refusal of a request that arrives after [`EngineHandle::drain`].
+#[derive(Debug, thiserror::Error)]
+#[error("the server is shutting down")]
+struct Draining;
+
+/// The engine thread's state besides the engine.
+#[derive(Default)]
+struct Loop {
+    live: HashMap<RequestId, Live>,
+    draining: bool,
+}
+
+impl Loop {
+    /// Ends requests with `failure`: `lost` samples of each are gone, and the request too
+    /// when `gone` (then its channel closes after the failure).
+    fn fail(&mut self, lost: Vec<(RequestId, usize, bool)>, failure: &Failure) {
+        for (id, n, gone) in lost {
+            let Some(req) = self.live.get_mut(&id) else {
+                continue;
+            };
+            let _ = req.events.send(Err(failure.clone()));
+            req.remaining = req.remaining.saturating_sub(n);
+            if gone || req.remaining == 0 {
+                self.live.remove(&id);
+            }
+        }
+    }
+
+    /// Aborts the requests whose receivers are gone: their clients disconnected.
+    fn abort_abandoned<B: Backend>(&mut self, engine: &mut Engine<B>) {
+        self.live.retain(|&id, req| {
+            let open = !req.events.is_closed();
+            if !open {
+                engine.abort(id);
+            }
+            open
+        });
+    }
+}
+
+fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
+    let live = &mut state.live;
     match cmd {
         Command::Add {
             id,
@@ -192,6 +267,10 @@ fn handle<B: Backend>(engine: &mut Engine<B>, live: &mut HashMap<RequestId, Live
             events,
             admitted,
         } => {
+            if state.draining {
+                let _ = admitted.send(Err(Draining.into()));
+                return;
+            }
             let n = params.n;
             let result = engine.add_request(id, prompt, *params);
             if result.is_ok() {
@@ -209,22 +288,36 @@ fn handle<B: Backend>(engine: &mut Engine<B>, live: &mut HashMap<RequestId, Live
             engine.abort(id);
             live.remove(&id);
         }
+        Command::Drain => {
+            state.draining = true;
+            let lost = engine.abort_unstarted();
+            state.fail(lost, &Failure::ShuttingDown);
+        }
+        Command::AbortAll => {
+            state.draining = true;
+            for (id, req) in state.live.drain() {
+                let _ = req.events.send(Err(Failure::ShuttingDown));
+                engine.abort(id);
+            }
+        }
     }
 }
 
 fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<EngineStats>) {
-    let mut live: HashMap<RequestId, Live> = HashMap::new();
+    let mut state = Loop::default();
     loop {
         // Idle: sleep until a command arrives; busy: take what is queued and keep stepping.
         if !engine.has_work() {
             match rx.recv() {
-                Ok(cmd) => handle(engine, &mut live, cmd),
+                Ok(cmd) => handle(engine, &mut state, cmd),
                 Err(_) => return,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            handle(engine, &mut live, cmd);
+            handle(engine, &mut state, cmd);
         }
+        state.abort_abandoned(engine);
+        let live = &mut state.live;
         if engine.has_work() {
             match engine.step() {
                 Ok(deltas) => {
@@ -251,7 +344,7 @@ fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<
                 Err(e) => {
                     tracing::error!("engine step failed: {e:#}");
                     for (id, req) in live.drain() {
-                        let _ = req.events.send(Err(format!("engine step failed: {e:#}")));
+                        let _ = req.events.send(Err(Failure::Step(format!("{e:#}"))));
                         engine.abort(id);
                     }
                 }

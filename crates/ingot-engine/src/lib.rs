@@ -9,8 +9,9 @@ pub mod runner;
 pub mod sampler;
 
 pub use engine::{
-    Completion, Engine, EngineConfig, EngineStats, RequestId, RequestOutput, SeqDelta, StepInfo,
+    Completion, Engine, EngineConfig, EngineStats, QueueFull, RequestId, RequestOutput, SeqDelta,
+    StepInfo,
 };
-pub use engine_loop::{EngineHandle, Event, Events, SubmitError};
+pub use engine_loop::{EngineHandle, Event, Events, Failure, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};
 pub use sampler::{Sampler, TokenLogprobs};

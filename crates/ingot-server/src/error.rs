@@ -33,7 +33,7 @@ impl ApiError {
         }
     }
 
-    fn kind(&self) -> &'static str {
+    pub fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
             StatusCode::UNAUTHORIZED => "authentication_error",

@@ -17,8 +17,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
-use ingot_core::SamplingParams;
-use ingot_engine::{EngineHandle, Events, SeqDelta, SubmitError, TokenLogprobs};
+use ingot_core::{AdmissionError, InvalidParam, SamplingParams};
+use ingot_engine::{EngineHandle, Events, Failure, SeqDelta, SubmitError, TokenLogprobs};
 use ingot_model::chat::Message;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -29,8 +29,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 pub struct ServerConfig {
     pub served_model_name: String,
     pub api_key: Option<String>,
-    /// Requests waiting beyond this many are refused with 503.
-    pub max_waiting: usize,
+    /// Most samples (`n`) one request may ask for.
+    pub max_n: usize,
+    /// Most prompts in one completions request.
+    pub max_prompts_per_request: usize,
     /// Request bodies larger than this are refused with 413.
     pub max_body_bytes: usize,
 }
@@ -224,6 +226,60 @@ struct Submitted {
     timing: Timing,
 }
 
+/// The client's error for a request the engine did not take.
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Rejected(e) => {
+            let param = if let Some(p) = e.downcast_ref::<InvalidParam>() {
+                Some(p.field)
+            } else if let Some(AdmissionError::TooManySamples { .. }) = e.downcast_ref() {
+                Some("n")
+            } else {
+                None
+            };
+            let err = ApiError::bad_request(format!("{e:#}"));
+            match param {
+                Some(p) => err.with_param(p),
+                None => err,
+            }
+        }
+        SubmitError::AtCapacity(_) | SubmitError::ShuttingDown | SubmitError::Stopped => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
+    }
+}
+
+fn failure_error(f: Failure) -> ApiError {
+    let status = match f {
+        Failure::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        Failure::Step(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError::new(status, f.to_string())
+}
+
+/// Bounds what one request may multiply: its samples and its prompts.
+fn check_request_size(
+    config: &ServerConfig,
+    params: &SamplingParams,
+    prompts: usize,
+) -> Result<(), ApiError> {
+    if params.n > config.max_n {
+        return Err(ApiError::bad_request(format!(
+            "invalid `n`: at most {} samples per request (--max-n), got {}",
+            config.max_n, params.n
+        ))
+        .with_param("n"));
+    }
+    if prompts > config.max_prompts_per_request {
+        return Err(ApiError::bad_request(format!(
+            "invalid `prompt`: at most {} prompts per request (--max-prompts-per-request), got {prompts}",
+            config.max_prompts_per_request
+        ))
+        .with_param("prompt"));
+    }
+    Ok(())
+}
+
 /// Submits every prompt or none: on a rejection the ones already queued are aborted.
 async fn submit(
     state: &AppState,
@@ -231,12 +287,7 @@ async fn submit(
     params: &SamplingParams,
 ) -> Result<Vec<Submitted>, ApiError> {
     let engine = state.engine()?;
-    if engine.stats().num_waiting >= state.config.max_waiting {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the server is at capacity: too many requests are waiting",
-        ));
-    }
+    check_request_size(&state.config, params, prompts.len())?;
     let mut out = vec![];
     let mut ids = vec![];
     for (prompt_index, prompt) in prompts.into_iter().enumerate() {
@@ -259,12 +310,7 @@ async fn submit(
             }
             Err(e) => {
                 ids.iter().for_each(|&id| engine.abort(id));
-                return Err(match e {
-                    SubmitError::Rejected(e) => ApiError::bad_request(format!("{e:#}")),
-                    SubmitError::Stopped => {
-                        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
-                    }
-                });
+                return Err(submit_error(e));
             }
         }
     }
@@ -406,7 +452,7 @@ async fn collect(
         let mut samples: Vec<(String, Vec<TokenLogprobs>, Option<String>)> =
             vec![(String::new(), vec![], None); job.n];
         while let Some(event) = sub.events.recv().await {
-            let d = event.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))?;
+            let d = event.map_err(failure_error)?;
             sub.timing.token(&state.metrics, &d);
             completion_tokens += d.token_ids.len();
             let s = &mut samples[d.index];
@@ -502,8 +548,9 @@ async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
             let v = chunk(&s.state, &s.job, s.sub.prompt_index, &d, first);
             Some((v, s))
         }
-        Some(Err(e)) => {
-            let v = json!({"error": {"message": e, "type": "internal_server_error", "param": null, "code": 500}});
+        Some(Err(f)) => {
+            let e = failure_error(f);
+            let v = json!({"error": {"message": e.message, "type": e.kind(), "param": null, "code": e.status.as_u16()}});
             Some((v, s))
         }
         None => {

@@ -69,15 +69,33 @@ impl Metrics {
         };
         gauge(
             "num_requests_running",
+            "Requests with a sequence in the running batch (a request has one sequence per prompt and sample).",
+            "gauge",
+            s.num_requests_running as f64,
+        );
+        gauge(
+            "num_requests_waiting",
+            "Requests none of whose sequences runs yet.",
+            "gauge",
+            s.num_requests_waiting as f64,
+        );
+        gauge(
+            "num_sequences_running",
             "Sequences in the running batch.",
             "gauge",
             s.num_running as f64,
         );
         gauge(
-            "num_requests_waiting",
-            "Sequences waiting to be scheduled.",
+            "num_sequences_waiting",
+            "Sequences waiting to be scheduled, samples of a prompt still in prefill included; --max-waiting bounds this.",
             "gauge",
             s.num_waiting as f64,
+        );
+        gauge(
+            "kv_cache_blocks_in_use",
+            "KV cache blocks held by sequences.",
+            "gauge",
+            (s.total_blocks - s.free_blocks) as f64,
         );
         gauge(
             "kv_cache_usage_perc",

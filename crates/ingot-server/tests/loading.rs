@@ -8,7 +8,8 @@ async fn everything_but_metrics_is_503_while_loading() {
     let state = AppState::new(ServerConfig {
         served_model_name: "m".into(),
         api_key: None,
-        max_waiting: 8,
+        max_n: 128,
+        max_prompts_per_request: 256,
         max_body_bytes: 1 << 20,
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

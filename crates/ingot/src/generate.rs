@@ -107,6 +107,7 @@ impl EngineArgs {
             gpu_memory_utilization: self.gpu_memory_utilization,
             prefix_caching: !self.no_prefix_caching,
             enforce_eager: self.enforce_eager,
+            max_waiting: None,
         }
     }
 }

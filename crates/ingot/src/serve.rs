@@ -1,6 +1,6 @@
 //! `ingot serve`: the OpenAI-compatible server. It listens at once (`/health` answers 503
-//! while the model loads), and on SIGTERM or Ctrl-C stops accepting, lets in-flight
-//! requests finish within a grace period, and exits 0.
+//! while the model loads), and on SIGTERM or Ctrl-C stops accepting, aborts the requests
+//! that have not started, lets running ones finish within a grace period, and exits 0.
 
 use crate::device::{ModelArgs, OnBackend};
 use crate::generate::EngineArgs;
@@ -26,9 +26,16 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every /v1 route.
     #[arg(long)]
     api_key: Option<String>,
-    /// Refuse new requests with 503 while this many wait.
+    /// Refuse a request with 503 when the sequences waiting (each prompt and each of its
+    /// `n` samples is one) would exceed this.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
+    /// Most samples (`n`) one request may ask for.
+    #[arg(long, default_value_t = 128)]
+    max_n: usize,
+    /// Most prompts in one completions request.
+    #[arg(long, default_value_t = 256)]
+    max_prompts_per_request: usize,
     /// Seconds in-flight requests get to finish after a shutdown signal.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
@@ -90,7 +97,8 @@ async fn serve(args: Args) -> Result<()> {
     let state = AppState::new(ServerConfig {
         served_model_name: name.clone(),
         api_key: args.api_key.clone(),
-        max_waiting: args.max_waiting,
+        max_n: args.max_n,
+        max_prompts_per_request: args.max_prompts_per_request,
         max_body_bytes: 8 << 20,
     });
     let addr = format!("{}:{}", args.host, args.port);
@@ -105,7 +113,10 @@ async fn serve(args: Args) -> Result<()> {
     let loading = state.clone();
     let job = StartEngine {
         model: args.model.clone(),
-        config: args.engine.config(),
+        config: EngineConfig {
+            max_waiting: Some(args.max_waiting),
+            ..args.engine.config()
+        },
     };
     let loader = tokio::task::spawn_blocking(move || -> Result<()> {
         let handle = job.model.clone().on_backend(job)?;
@@ -114,9 +125,13 @@ async fn serve(args: Args) -> Result<()> {
         Ok(())
     });
     let (signalled, mut signal) = tokio::sync::watch::channel(false);
-    let app = ingot_server::router(state);
+    let app = ingot_server::router(state.clone());
+    let draining = state.clone();
     let graceful = async move {
         shutdown_signal().await;
+        if let Some(engine) = draining.engine.get() {
+            engine.drain();
+        }
         let _ = signalled.send(true);
     };
     let mut server = tokio::spawn(
@@ -131,7 +146,12 @@ async fn serve(args: Args) -> Result<()> {
         _ = async {
             let _ = signal.wait_for(|s| *s).await;
             tokio::time::sleep(grace).await;
-        } => tracing::warn!("grace period of {grace:?} over; exiting with requests still in flight"),
+        } => {
+            tracing::warn!("grace period of {grace:?} over; aborting the requests still in flight");
+            if let Some(engine) = state.engine.get() {
+                engine.abort_all();
+            }
+        }
     }
     Ok(())
 }

@@ -32,20 +32,18 @@ impl Server {
                 "--port",
                 &port.to_string(),
             ])
-            .args([
-                "--served-model-name",
-                "tiny",
-                "--threads",
-                "1",
-                "--kv-cache-memory",
-                "4000000",
-            ])
+            .args(["--served-model-name", "tiny", "--threads", "1"])
+            .args(if extra.contains(&"--kv-cache-memory") {
+                &[][..]
+            } else {
+                &["--kv-cache-memory", "4000000"][..]
+            })
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let s = Server {
+        let mut s = Server {
             child,
             base: format!("http://127.0.0.1:{port}"),
             dir,
@@ -54,6 +52,9 @@ impl Server {
         while Instant::now() < deadline {
             if status(&format!("{}/health", s.base)).await == Some(200) {
                 return s;
+            }
+            if let Some(exit) = s.child.try_wait().unwrap() {
+                panic!("the server exited at start: {exit}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -395,4 +396,164 @@ async fn api_key_queue_limit_and_graceful_shutdown() {
     let full = Server::start("full", &["--max-waiting", "0"]).await;
     let (st, e) = post(&full.base, "/v1/completions", json!({"prompt": "w3"})).await;
     assert_eq!(st, 503, "{e}");
+}
+
+/// Polls until no request, sequence or block is left in the engine, for at most `limit`.
+async fn drained_within(base: &str, limit: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = [
+            "ingot:num_requests_waiting",
+            "ingot:num_requests_running",
+            "ingot:num_sequences_waiting",
+            "ingot:num_sequences_running",
+            "ingot:kv_cache_blocks_in_use",
+        ];
+        let mut busy = vec![];
+        for name in left {
+            let v = metric(base, name).await;
+            if v > 0.0 {
+                busy.push(format!("{name} {v}"));
+            }
+        }
+        if busy.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(busy.join(", "));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_cannot_wedge_the_server() {
+    let mut s = Server::start(
+        "wedge",
+        &[
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+            "--kv-cache-memory",
+            "64000000",
+            "--max-waiting",
+            "1000",
+        ],
+    )
+    .await;
+    let b = s.base.clone();
+    let long = |n: usize, stream: bool| json!({"prompt": "w3 w4", "max_tokens": 200, "ignore_eos": true, "n": n, "stream": stream});
+
+    // Over the limits: 400s that name the field.
+    for (body, param) in [
+        (json!({"prompt": "w3", "n": 129}), "n"),
+        (json!({"prompt": "w3", "n": 1_000_000}), "n"),
+        (json!({"prompt": vec!["w3"; 257]}), "prompt"),
+        (json!({"prompt": "w3", "stop": vec!["x"; 65]}), "stop"),
+    ] {
+        let (st, e) = post(&b, "/v1/completions", body).await;
+        assert_eq!(
+            (st, e["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{e}"
+        );
+    }
+    // 128 samples of 250 tokens cannot all be in this cache at once.
+    let small = Server::start("wedge-small", &["--max-model-len", "256"]).await;
+    let (st, e) = post(
+        &small.base,
+        "/v1/completions",
+        json!({"prompt": "w3", "n": 128, "max_tokens": 250}),
+    )
+    .await;
+    assert_eq!((st, e["error"]["param"].as_str()), (400, Some("n")), "{e}");
+    drop(small);
+
+    // The largest `n`, streamed, and a list of many prompts: the client leaves after the
+    // first chunk and every sequence goes, queued siblings and prompts included.
+    let many = json!({"prompt": vec!["w3 w4"; 256], "max_tokens": 200, "ignore_eos": true, "stream": true});
+    for body in [long(128, true), many] {
+        let mut r = reqwest::Client::new()
+            .post(format!("{b}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.chunk().await.unwrap();
+        assert!(metric(&b, "ingot:num_sequences_waiting").await > 0.0);
+        drop(r);
+        drained_within(&b, Duration::from_secs(1)).await.unwrap();
+        let (st, e) = post(
+            &b,
+            "/v1/completions",
+            json!({"prompt": "w3", "max_tokens": 3}),
+        )
+        .await;
+        assert_eq!(st, 200, "{e}");
+    }
+    // The same when a non-streaming client gives up before the answer.
+    let gave_up = reqwest::Client::new()
+        .post(format!("{b}/v1/completions"))
+        .timeout(Duration::from_millis(300))
+        .json(&long(128, false))
+        .send()
+        .await;
+    assert!(gave_up.unwrap_err().is_timeout());
+    drained_within(&b, Duration::from_secs(1)).await.unwrap();
+
+    // Admission counts sequences: 8 requests of 125 samples fill the queue of 1,000.
+    let client = reqwest::Client::new();
+    let mut queued = vec![];
+    for _ in 0..8 {
+        let (client, url, body) = (
+            client.clone(),
+            format!("{b}/v1/completions"),
+            long(125, false),
+        );
+        queued.push(tokio::spawn(async move {
+            client
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&b, "ingot:num_sequences_waiting").await
+        + metric(&b, "ingot:num_sequences_running").await
+        < 1000.0
+    {
+        assert!(Instant::now() < deadline, "requests were not queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (st, e) = post(&b, "/v1/completions", json!({"prompt": "w3", "n": 8})).await;
+    assert_eq!(st, 503, "{e}");
+
+    // SIGTERM aborts what has not started; the few running finish and the process exits.
+    let pid = s.child.id().to_string();
+    let term = Instant::now();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    for q in queued {
+        assert_eq!(q.await.unwrap(), 503);
+    }
+    loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(
+            term.elapsed() < Duration::from_secs(4),
+            "the server did not exit within 4 s of SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
