@@ -3,7 +3,8 @@
 report of what was served, the errors by status, the server's memory and the KV blocks
 left in use.
 
-    bench/soak.py [--minutes 10] [--clients 8] [--model PATH] [--port 8011] [-- SERVE_ARGS...]
+    bench/soak.py [--minutes 10] [--clients 8] [--model PATH] [--port 8011]
+                  [--kv-cache-memory BYTES] [-- SERVE_ARGS...]
 
 It starts `target/release/ingot serve` on the model (default: the test model from
 scripts/fetch-test-model) and drives it with a mix of plain, streamed, multi-sample,
@@ -11,6 +12,10 @@ disconnecting (mid-stream and before a non-streamed answer) and invalid requests
 read from /proc at start (model loaded), after the warm-up (the first tenth of the run)
 and at the end; growth after the warm-up must stay under 1 %, and no block may be in use
 once the clients stop. Exit status 1 when either fails. Standard library only.
+
+The CPU KV cache is committed page by page as blocks are first used, so RSS grows until
+every block has been touched once; the default `--kv-cache-memory` (256 MiB) is small
+enough for the warm-up to touch all of it, so that growth after it measures leaks.
 """
 
 import argparse
@@ -163,11 +168,12 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--binary", default=os.path.join(ROOT, "target/release/ingot"))
+    ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("serve_args", nargs="*")
     args = ap.parse_args()
     model = args.model or subprocess.check_output([os.path.join(ROOT, "scripts/fetch-test-model")], text=True).strip()
     cmd = [args.binary, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(args.port),
-           "--max-model-len", "2048"] + args.serve_args
+           "--max-model-len", "2048", "--kv-cache-memory", str(args.kv_cache_memory)] + args.serve_args
     print("server:", " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

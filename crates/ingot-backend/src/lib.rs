@@ -10,8 +10,10 @@ pub mod cpu;
 pub mod cuda;
 mod dtype;
 pub mod quant;
+pub mod sampling;
 
 pub use dtype::DType;
+pub use sampling::{LogitEdit, SampleRow};
 
 /// Index of the largest value, the first among equals (as `torch.argmax`).
 pub fn first_argmax(values: &[f32]) -> u32 {
@@ -316,6 +318,27 @@ pub trait Backend: Send + Sync {
     /// `out[r] = argmax(logits[r, ..vocab])` as i32 for f32 `logits`: the first index of the
     /// largest value, as `torch.argmax` picks it.
     fn argmax(&self, logits: &Self::Buffer, rows: usize, vocab: usize, out: &mut Self::Buffer);
+
+    /// Picks one token per row of f32 `logits` (`rows` rows of `vocab`) as
+    /// [`sampling::sample_row`] does, with row `r`'s [`SampleRow`] from `params` and its
+    /// [`LogitEdit`]s from `edits` (both uploaded as raw words into I32 buffers); the edits
+    /// change `logits` in place. The ids go to i32 `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn sample(
+        &self,
+        logits: &mut Self::Buffer,
+        rows: usize,
+        vocab: usize,
+        params: &Self::Buffer,
+        edits: &Self::Buffer,
+        out: &mut Self::Buffer,
+    );
+
+    /// Whether [`Backend::sample`] runs on a device, where picking there saves sending the
+    /// logits back; the engine then samples through it.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
 
     /// `out[i] = x[indices[i]]` for rows of `dim`.
     fn gather_rows(

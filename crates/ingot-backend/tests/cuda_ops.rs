@@ -12,7 +12,9 @@
 use half::{bf16, f16};
 use ingot_backend::cpu::CpuBackend;
 use ingot_backend::cuda::CudaBackend;
-use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
+use ingot_backend::{
+    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
+};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -852,6 +854,94 @@ fn argmax_picks_the_first_maximum_like_the_cpu() {
             c.download_i32(&want, rows).unwrap(),
             "vocab {vocab}"
         );
+    }
+}
+
+/// Sampling on the device picks exactly the CPU reference's token for the same uniform
+/// draws: edits, argmax, top-k, top-p and min-p alone and together, on real vocab sizes.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sampling_picks_the_cpu_reference_token() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = StdRng::seed_from_u64(7);
+    for vocab in [7, 1000, 1025, 49152, 128256] {
+        let mut rows = vec![];
+        let mut edits = vec![];
+        for r in 0..40 {
+            let start = edits.len() as u32;
+            let mut tokens: Vec<u32> = (0..vocab as u32).collect();
+            tokens.shuffle(&mut rng);
+            for &t in tokens.iter().take(rng.random_range(0..vocab.min(300))) {
+                edits.push(LogitEdit {
+                    token: t,
+                    bias: rng.random_range(-2.0..2.0),
+                    repetition: rng.random_range(0.8..1.5),
+                    subtract: if rng.random_bool(0.05) {
+                        f32::INFINITY
+                    } else {
+                        rng.random_range(0.0..1.0)
+                    },
+                });
+            }
+            rows.push(SampleRow {
+                temperature: [0.0, 0.3, 0.7, 1.0, 1.5][r % 5],
+                top_k: [0, 1, 5, 50, 2000][(r / 5) % 5],
+                top_p: [1.0, 0.9, 0.5, 0.01][(r / 2) % 4],
+                min_p: [0.0, 0.0, 0.05, 0.3][(r / 3) % 4],
+                uniform: rng.random_range(0.0..1.0),
+                edit_start: start,
+                edit_end: edits.len() as u32,
+                pad: 0,
+            });
+        }
+        let n = rows.len();
+        let logits: Vec<f32> = (0..n * vocab)
+            .map(|_| rng.random_range(-8.0f32..8.0))
+            .collect();
+        let on_gpu = |rows: &[SampleRow], edits: &[LogitEdit], logits: &[f32]| {
+            let mut l = up(&g, logits, DType::F32);
+            let p = up_i32(&g, bytemuck::cast_slice(rows));
+            let e = up_i32(&g, bytemuck::cast_slice(edits));
+            let mut out = g.alloc(DType::I32, rows.len()).unwrap();
+            g.sample(&mut l, rows.len(), vocab, &p, &e, &mut out);
+            let ids = g.download_i32(&out, rows.len()).unwrap();
+            (ids, g.download_f32(&l, logits.len()).unwrap())
+        };
+        let on_cpu = |rows: &[SampleRow], edits: &[LogitEdit], logits: &[f32]| {
+            let mut l = up(&c, logits, DType::F32);
+            let p = up_i32(&c, bytemuck::cast_slice(rows));
+            let e = up_i32(&c, bytemuck::cast_slice(edits));
+            let mut out = c.alloc(DType::I32, rows.len()).unwrap();
+            c.sample(&mut l, rows.len(), vocab, &p, &e, &mut out);
+            let ids = c.download_i32(&out, rows.len()).unwrap();
+            (ids, c.download_f32(&l, logits.len()).unwrap())
+        };
+        let (got, got_logits) = on_gpu(&rows, &edits, &logits);
+        let (want, want_logits) = on_cpu(&rows, &edits, &logits);
+        // Greedy rows keep the edited logits, exactly; drawn rows their probabilities,
+        // which differ by the last bits of the exponentials.
+        for (r, p) in rows.iter().enumerate() {
+            let (g, w) = (
+                &got_logits[r * vocab..][..vocab],
+                &want_logits[r * vocab..][..vocab],
+            );
+            if p.temperature == 0.0 {
+                assert_eq!(g, w, "edited logits, vocab {vocab}, row {r}");
+            } else {
+                let worst = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    worst <= 1e-6,
+                    "probabilities, vocab {vocab}, row {r}: {worst}"
+                );
+            }
+        }
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "vocab {vocab}, row {r}: {:?}", rows[r]);
+        }
     }
 }
 

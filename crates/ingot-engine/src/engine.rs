@@ -552,9 +552,27 @@ impl<B: Backend> Engine<B> {
             let seq = self.scheduler.get(*id).expect("sampled sequences run");
             self.seqs[id].sampler.is_plain_greedy(seq.num_output())
         });
+        // Otherwise a device that samples picks the tokens unless a row wants logprobs,
+        // which are computed from the logits on the host.
+        let on_device = self.runner.backend.samples_on_device()
+            && sampled
+                .iter()
+                .all(|id| self.seqs[id].sampler.params().logprobs.is_none());
         let started = Instant::now();
         let picked = if greedy {
             Sampled::Tokens(self.runner.execute_greedy(&input)?)
+        } else if on_device {
+            let mut rows = Vec::with_capacity(sampled.len());
+            let mut edits = vec![];
+            for id in &sampled {
+                let seq = self.scheduler.get(*id).expect("sampled sequences run");
+                let state = self.seqs.get_mut(id).expect("every sequence has state");
+                let row = state
+                    .sampler
+                    .device_row(&seq.tokens, seq.num_output(), &mut edits);
+                rows.push(row);
+            }
+            Sampled::Tokens(self.runner.execute_sampled(&input, &rows, &edits)?)
         } else {
             Sampled::Logits(self.runner.execute(&input)?)
         };

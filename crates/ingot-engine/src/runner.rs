@@ -2,7 +2,7 @@
 //! metadata and returns the logits of the sampled rows.
 
 use anyhow::{ensure, Result};
-use ingot_backend::{Backend, CacheLayout, DType};
+use ingot_backend::{Backend, CacheLayout, DType, LogitEdit, SampleRow};
 use ingot_model::{Activations, KvCache, Model, StepBuffers};
 
 /// One step on the host: a flattened batch of sequences. Sequence `s` contributes token
@@ -44,11 +44,19 @@ pub struct ModelRunner<B: Backend> {
     acts: Activations<B>,
     kv: KvCache<B>,
     step: StepBuffers<B>,
-    /// i32 `[max_num_seqs]`: the greedy token of each sampled row.
+    /// i32 `[max_num_seqs]`: the greedy (or sampled) token of each sampled row.
     greedy: B::Buffer,
+    /// `[max_num_seqs]` [`SampleRow`]s for sampling on the device.
+    sample_rows: B::Buffer,
+    /// [`LogitEdit`]s for sampling on the device, grown when a step needs more.
+    logit_edits: B::Buffer,
+    logit_edits_capacity: usize,
     /// Decode batch sizes that have run once, so their next step may be recorded.
     warm_buckets: Vec<usize>,
 }
+
+const SAMPLE_ROW_WORDS: usize = size_of::<SampleRow>() / 4;
+const EDIT_WORDS: usize = size_of::<LogitEdit>() / 4;
 
 fn upload_u32<B: Backend>(b: &B, buf: &mut B::Buffer, v: &[u32]) -> Result<()> {
     b.upload(buf, bytemuck::cast_slice(v))
@@ -112,6 +120,9 @@ impl<B: Backend> ModelRunner<B> {
             acts.bytes as f64 / (1 << 20) as f64
         );
         let greedy = backend.alloc(DType::I32, s)?;
+        let sample_rows = backend.alloc(DType::I32, s * SAMPLE_ROW_WORDS)?;
+        let logit_edits_capacity = 4096;
+        let logit_edits = backend.alloc(DType::I32, logit_edits_capacity * EDIT_WORDS)?;
         Ok(ModelRunner {
             backend,
             model,
@@ -120,6 +131,9 @@ impl<B: Backend> ModelRunner<B> {
             kv,
             step,
             greedy,
+            sample_rows,
+            logit_edits,
+            logit_edits_capacity,
             warm_buckets: vec![],
         })
     }
@@ -142,6 +156,41 @@ impl<B: Backend> ModelRunner<B> {
         let ids = self
             .backend
             .download_i32(&self.greedy, input.logits_indices.len())?;
+        Ok(ids.into_iter().map(|t| t as u32).collect())
+    }
+
+    /// Runs one step and picks each row's token on the device with its [`SampleRow`] and
+    /// edits, so that only the ids come back.
+    pub fn execute_sampled(
+        &mut self,
+        input: &StepInput,
+        rows: &[SampleRow],
+        edits: &[LogitEdit],
+    ) -> Result<Vec<u32>> {
+        ensure!(
+            rows.len() == input.logits_indices.len(),
+            "one sample row per sampled token"
+        );
+        self.run(input)?;
+        let b = &self.backend;
+        if edits.len() > self.logit_edits_capacity {
+            self.logit_edits_capacity = edits.len().next_power_of_two();
+            self.logit_edits = b.alloc(DType::I32, self.logit_edits_capacity * EDIT_WORDS)?;
+        }
+        b.upload(&mut self.sample_rows, bytemuck::cast_slice(rows))?;
+        b.upload(&mut self.logit_edits, bytemuck::cast_slice(edits))?;
+        let vocab = self.model.config.vocab_size;
+        b.run_step(|| {
+            b.sample(
+                &mut self.acts.logits,
+                rows.len(),
+                vocab,
+                &self.sample_rows,
+                &self.logit_edits,
+                &mut self.greedy,
+            )
+        });
+        let ids = b.download_i32(&self.greedy, rows.len())?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 

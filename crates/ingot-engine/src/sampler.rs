@@ -1,6 +1,7 @@
 //! Per-request token selection: logits processors (bias, penalties, min_tokens), then
 //! greedy or a draw from the tempered, filtered distribution with the request's own RNG.
 
+use ingot_backend::{LogitEdit, SampleRow};
 use ingot_core::SamplingParams;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -147,7 +148,58 @@ impl Sampler {
         (token, logprobs)
     }
 
-    fn draw(&mut self, logits: &[f32]) -> u32 {
+    /// The same choice as [`sample`](Self::sample) (without logprobs), described for
+    /// [`ingot_backend::Backend::sample`]: this row's parameters, with its logits
+    /// processors appended to `edits` as one edit per token. A draw takes one number from
+    /// the request's random stream, as on the host, so seeds reproduce.
+    pub fn device_row(
+        &mut self,
+        tokens: &[u32],
+        num_output: usize,
+        edits: &mut Vec<LogitEdit>,
+    ) -> SampleRow {
+        let p = &self.params;
+        let mut by_token: HashMap<u32, LogitEdit> = HashMap::new();
+        for (&id, &bias) in &p.logit_bias {
+            by_token.entry(id).or_insert(LogitEdit::new(id)).bias = bias;
+        }
+        if num_output < p.min_tokens {
+            for &id in &self.stop_ids {
+                by_token.entry(id).or_insert(LogitEdit::new(id)).subtract = f32::INFINITY;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            for &id in tokens {
+                by_token.entry(id).or_insert(LogitEdit::new(id)).repetition = p.repetition_penalty;
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &t in &tokens[tokens.len() - num_output..] {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (id, c) in counts {
+                by_token.entry(id).or_insert(LogitEdit::new(id)).subtract +=
+                    p.presence_penalty + p.frequency_penalty * c as f32;
+            }
+        }
+        let edit_start = edits.len() as u32;
+        edits.extend(by_token.into_values());
+        let greedy = p.is_greedy();
+        SampleRow {
+            temperature: if greedy { 0.0 } else { p.temperature },
+            top_k: p.top_k.max(0) as u32,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            uniform: if greedy { 0.0 } else { self.rng.random() },
+            edit_start,
+            edit_end: edits.len() as u32,
+            pad: 0,
+        }
+    }
+
+    /// The tokens a draw chooses among, most likely first, with their probabilities.
+    fn candidates(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
         let p = &self.params;
         let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let mut probs: Vec<f32> = logits
@@ -182,6 +234,11 @@ impl Sampler {
             let floor = p.min_p * cand.iter().map(|&i| probs[i as usize]).fold(0.0, f32::max);
             cand.retain(|&i| probs[i as usize] >= floor);
         }
+        (cand, probs)
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let (cand, probs) = self.candidates(logits);
         let mass: f32 = cand.iter().map(|&i| probs[i as usize]).sum();
         let mut r = self.rng.random::<f32>() * mass;
         for &i in &cand {
@@ -313,5 +370,74 @@ mod tests {
         assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
         let total: f32 = log_softmax(&logits()).iter().map(|l| l.exp()).sum();
         assert!((total - 1.0).abs() < 1e-5);
+    }
+
+    /// The device path (edits + [`ingot_backend::sampling::sample_row`]) makes the host
+    /// sampler's choice: the same processed logits, and draws spread over the same
+    /// candidates in proportion to their probabilities.
+    #[test]
+    fn device_rows_choose_as_the_host_sampler() {
+        use ingot_backend::sampling::sample_row;
+        use rand::Rng;
+        let mut rng = StdRng::seed_from_u64(3);
+        let vocab = 300;
+        for case in 0..24 {
+            let params = SamplingParams {
+                temperature: [0.0, 0.5, 1.0, 1.3][case % 4],
+                top_k: [0, 1, 7, 40][(case / 4) % 4],
+                top_p: [1.0, 0.8, 0.3][case % 3],
+                min_p: [0.0, 0.1][(case / 2) % 2],
+                repetition_penalty: [1.0, 1.3][case % 2],
+                presence_penalty: 0.4,
+                frequency_penalty: 0.2,
+                logit_bias: [(5, 3.0), (17, -4.0)].into(),
+                min_tokens: 3,
+                seed: Some(case as u64),
+                ..Default::default()
+            };
+            let logits: Vec<f32> = (0..vocab).map(|_| rng.random_range(-5.0..5.0)).collect();
+            let tokens: Vec<u32> = (0..20).map(|_| rng.random_range(0..vocab as u32)).collect();
+            let num_output = 1 + case % 5;
+            let eos = [2];
+            let mut host = Sampler::new(params.clone(), &eos, 0);
+            let mut host_logits = logits.clone();
+            let host_token = host.sample(&mut host_logits, &tokens, num_output).0;
+            let mut device = Sampler::new(params.clone(), &eos, 0);
+            let mut edits = vec![];
+            let row = device.device_row(&tokens, num_output, &mut edits);
+            let mut device_logits = logits.clone();
+            let edited_only = SampleRow {
+                temperature: 0.0,
+                ..row
+            };
+            sample_row(&mut device_logits, &edited_only, &edits);
+            assert_eq!(device_logits, host_logits, "case {case}: processed logits");
+            let token = sample_row(&mut logits.clone(), &row, &edits);
+            if params.is_greedy() {
+                assert_eq!(token, host_token, "case {case}");
+                continue;
+            }
+            let (cand, probs) = host.candidates(&host_logits);
+            let mass: f32 = cand.iter().map(|&i| probs[i as usize]).sum();
+            let draws = 4000;
+            let mut seen = vec![0usize; vocab];
+            for k in 0..draws {
+                let u = (k as f32 + 0.5) / draws as f32;
+                let mut l = logits.clone();
+                seen[sample_row(&mut l, &SampleRow { uniform: u, ..row }, &edits) as usize] += 1;
+            }
+            for (t, &n) in seen.iter().enumerate() {
+                let want = if cand.contains(&(t as u32)) {
+                    probs[t] / mass
+                } else {
+                    0.0
+                };
+                let got = n as f32 / draws as f32;
+                assert!(
+                    (got - want).abs() <= 2.0 / draws as f32,
+                    "case {case}, token {t}: drawn {got}, probability {want}"
+                );
+            }
+        }
     }
 }

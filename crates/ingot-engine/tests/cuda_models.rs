@@ -253,3 +253,71 @@ fn cpu_and_cuda_engines_agree_in_f32() {
         assert_eq!(g.completions[0].text, w.completions[0].text);
     }
 }
+
+/// Sampling on the device: a seed repeats its tokens and another seed changes them, top-k 1
+/// is greedy, and a logit bias reaches the kernel.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn seeded_sampling_on_the_device() {
+    let path = test_model_path().expect("the test model (INGOT_TEST_MODEL)");
+    let g = gpu();
+    let (m, t) = ingot_model::load(&g, &path, WeightDType::F32).unwrap();
+    let config = EngineConfig {
+        max_num_seqs: 16,
+        max_model_len: Some(1024),
+        kv_cache_memory: Some(256 << 20),
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(g, m, Arc::new(t), config).unwrap();
+    let ps: Vec<Vec<u32>> = cases().iter().take(6).map(|c| c.prompt.clone()).collect();
+    let run = |e: &mut Engine<CudaBackend>, params: SamplingParams| -> Vec<Vec<u32>> {
+        e.generate(ps.clone(), &vec![params; ps.len()])
+            .unwrap()
+            .into_iter()
+            .map(|o| o.completions[0].token_ids.clone())
+            .collect()
+    };
+    let seeded = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        min_p: 0.02,
+        repetition_penalty: 1.1,
+        seed: Some(seed),
+        ignore_eos: true,
+        max_tokens: 24,
+        ..SamplingParams::default()
+    };
+    let a = run(&mut e, seeded(1));
+    assert_eq!(a, run(&mut e, seeded(1)), "a seed repeats");
+    assert_ne!(a, run(&mut e, seeded(2)), "another seed differs");
+    let greedy = run(
+        &mut e,
+        SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(16)
+        },
+    );
+    let top1 = run(
+        &mut e,
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            seed: Some(3),
+            ignore_eos: true,
+            max_tokens: 16,
+            ..SamplingParams::default()
+        },
+    );
+    assert_eq!(top1, greedy, "top_k 1 is greedy");
+    let forced = run(
+        &mut e,
+        SamplingParams {
+            temperature: 1.0,
+            logit_bias: [(42, 100.0)].into(),
+            ignore_eos: true,
+            max_tokens: 5,
+            ..SamplingParams::default()
+        },
+    );
+    assert!(forced.iter().all(|t| t == &[42; 5]), "{forced:?}");
+}

@@ -34,6 +34,14 @@ pub struct LatencyArgs {
     /// Tokens generated per request (EOS is ignored).
     #[arg(long, default_value_t = 128)]
     output_len: usize,
+    /// 0 is greedy; above it every token is drawn, on the device where the backend can.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 keeps all tokens.
+    #[arg(long, default_value_t = 0)]
+    top_k: i32,
     /// Untimed batches run first.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
@@ -108,6 +116,10 @@ fn batch<B: Backend>(
     let (b, input, output) = (args.batch_size, args.input_len, args.output_len);
     let params = SamplingParams {
         ignore_eos: true,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: Some(0),
         ..SamplingParams::greedy(output)
     };
     for i in 0..b {

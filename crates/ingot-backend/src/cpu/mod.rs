@@ -9,7 +9,9 @@ pub use buffer::CpuBuffer;
 pub use matmul::GEMV_MAX_ROWS;
 
 use crate::quant::dequantize_row;
-use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
+use crate::{
+    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
+};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -370,6 +372,29 @@ impl Backend for CpuBackend {
         let ids: Vec<i32> = logits.f32()[..rows * vocab]
             .chunks(vocab)
             .map(|row| crate::first_argmax(row) as i32)
+            .collect();
+        out.i32_mut()[..rows].copy_from_slice(&ids);
+    }
+
+    fn sample(
+        &self,
+        logits: &mut CpuBuffer,
+        rows: usize,
+        vocab: usize,
+        params: &CpuBuffer,
+        edits: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) {
+        let params: &[SampleRow] =
+            bytemuck::cast_slice(&params.bytes()[..rows * size_of::<SampleRow>()]);
+        let edits: &[LogitEdit] = bytemuck::cast_slice(edits.bytes());
+        let ids: Vec<i32> = logits.f32_mut()[..rows * vocab]
+            .chunks_mut(vocab)
+            .zip(params)
+            .map(|(row, p)| {
+                let e = &edits[p.edit_start as usize..p.edit_end as usize];
+                crate::sampling::sample_row(row, p, e) as i32
+            })
             .collect();
         out.i32_mut()[..rows].copy_from_slice(&ids);
     }

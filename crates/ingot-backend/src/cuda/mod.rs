@@ -792,6 +792,25 @@ impl Backend for CudaBackend {
         launch!(self, "argmax_rows".to_string(), (rows as u32, 1, 1), 1024; l, v, o);
     }
 
+    fn sample(
+        &self,
+        logits: &mut CudaBuffer,
+        rows: usize,
+        vocab: usize,
+        params: &CudaBuffer,
+        edits: &CudaBuffer,
+        out: &mut CudaBuffer,
+    ) {
+        assert_eq!(logits.dtype, DType::F32, "sample reads f32 logits");
+        let (l, v, p, e, o) = (logits.ptr, vocab as i32, params.ptr, edits.ptr, out.ptr);
+        // SAMPLE_WARPS warps, as the kernel's histograms are laid out.
+        launch!(self, "sample_rows".to_string(), (rows as u32, 1, 1), 512; l, v, p, e, o);
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
     fn gather_rows(
         &self,
         x: &CudaBuffer,

@@ -24,7 +24,7 @@ pub const PROGRAMS: [(&str, &str); 4] = [
 fn program_of(name: &str) -> usize {
     if name.starts_with("split_kv_") || name.starts_with("prefill_attention_") {
         1
-    } else if name.starts_with("argmax_") {
+    } else if name.starts_with("argmax_") || name.starts_with("sample_") {
         2
     } else if name.starts_with("gemv_") {
         3

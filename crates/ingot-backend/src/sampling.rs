@@ -1,0 +1,220 @@
+//! Token selection from a row of logits, in the form a GPU runs it without sorting: sparse
+//! edits (bias, penalties, masks), then greedy or a draw from the tempered distribution cut
+//! by top-k, top-p and min-p.
+//!
+//! Thresholds are found on order-preserving integer keys of the logits, and probability
+//! mass is summed in 2^-40 fixed point, so every sum is exact and independent of the order
+//! of additions: a kernel that follows [`sample_row`] picks the same token for the same
+//! uniform draw on any launch shape. The draw walks the kept tokens in id order.
+
+use bytemuck::{Pod, Zeroable};
+
+/// One row's parameters, laid out as the kernels read them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct SampleRow {
+    /// 0 takes the argmax of the edited logits (the first among equals).
+    pub temperature: f32,
+    /// Keep the `top_k` largest logits (all that equal the k-th too); 0 keeps all.
+    pub top_k: u32,
+    /// Keep the most likely tokens until their mass reaches `top_p` (all equal to the last).
+    pub top_p: f32,
+    /// Keep tokens at least `min_p` times as likely as the most likely one.
+    pub min_p: f32,
+    /// The request's uniform draw in [0, 1).
+    pub uniform: f32,
+    /// This row's edits are `edits[edit_start..edit_end]`, at most one per token.
+    pub edit_start: u32,
+    pub edit_end: u32,
+    pub pad: u32,
+}
+
+/// One logit's change: `x = x + bias`, then `x / repetition` if positive or
+/// `x * repetition` if not, then `x - subtract` (infinity masks the token).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct LogitEdit {
+    pub token: u32,
+    pub bias: f32,
+    pub repetition: f32,
+    pub subtract: f32,
+}
+
+impl LogitEdit {
+    pub fn new(token: u32) -> LogitEdit {
+        LogitEdit {
+            token,
+            bias: 0.0,
+            repetition: 1.0,
+            subtract: 0.0,
+        }
+    }
+
+    pub fn apply(&self, x: f32) -> f32 {
+        let x = x + self.bias;
+        let x = if x > 0.0 {
+            x / self.repetition
+        } else {
+            x * self.repetition
+        };
+        x - self.subtract
+    }
+}
+
+/// Fixed-point scale of probability mass: relative probabilities in units of 2^-40.
+pub const MASS_SCALE: f32 = (1u64 << 40) as f32;
+
+/// An integer key with the order of the floats (for non-NaN values).
+pub fn order_key(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b & 0x8000_0000 != 0 {
+        !b
+    } else {
+        b | 0x8000_0000
+    }
+}
+
+fn mass(prob: f32) -> u64 {
+    (prob * MASS_SCALE) as u64
+}
+
+/// Applies `edits` to `logits` and picks the row's token. A draw leaves `logits` holding
+/// the probabilities relative to the most likely token, `exp((x - max) / temperature)`,
+/// which its thresholds and masses are computed from.
+pub fn sample_row(logits: &mut [f32], row: &SampleRow, edits: &[LogitEdit]) -> u32 {
+    for e in edits {
+        let x = &mut logits[e.token as usize];
+        *x = e.apply(*x);
+    }
+    let best = crate::first_argmax(logits);
+    if row.temperature == 0.0 {
+        return best;
+    }
+    let max = logits[best as usize];
+    let inv_t = 1.0 / row.temperature;
+    for x in logits.iter_mut() {
+        *x = ((*x - max) * inv_t).exp();
+    }
+    let probs: &[f32] = logits;
+    let mut keys: Vec<u32> = probs.iter().map(|&p| order_key(p)).collect();
+    keys.sort_unstable_by_key(|&k| std::cmp::Reverse(k));
+    let k = row.top_k as usize;
+    let kth = if k > 0 && k < probs.len() {
+        keys[k - 1]
+    } else {
+        0
+    };
+    let mut threshold = kth;
+    if row.top_p < 1.0 {
+        let total: u64 = probs.iter().map(|&p| mass(p)).sum();
+        let target = ((row.top_p as f64 * total as f64) as u64).max(1);
+        let mut by_key: Vec<(u32, u64)> = probs
+            .iter()
+            .map(|&p| (order_key(p), mass(p)))
+            .filter(|&(key, _)| key >= kth)
+            .collect();
+        by_key.sort_unstable_by_key(|&(key, _)| std::cmp::Reverse(key));
+        let mut acc = 0;
+        for (key, m) in by_key {
+            acc += m;
+            if acc >= target {
+                threshold = threshold.max(key);
+                break;
+            }
+        }
+    }
+    let kept = |p: f32| order_key(p) >= threshold && p >= row.min_p;
+    let total: u64 = probs.iter().filter(|&&p| kept(p)).map(|&p| mass(p)).sum();
+    if total == 0 {
+        // Every token masked: nothing to draw from.
+        return best;
+    }
+    let target = ((row.uniform as f64 * total as f64) as u64).min(total - 1);
+    let mut acc = 0;
+    for (i, &p) in probs.iter().enumerate() {
+        if kept(p) {
+            acc += mass(p);
+            if acc > target {
+                return i as u32;
+            }
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(temperature: f32) -> SampleRow {
+        SampleRow {
+            temperature,
+            top_p: 1.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn keys_keep_the_order_of_floats() {
+        let xs = [
+            f32::NEG_INFINITY,
+            -3.5,
+            -0.0,
+            0.0,
+            1e-30,
+            2.0,
+            f32::INFINITY,
+        ];
+        for w in xs.windows(2) {
+            assert!(order_key(w[0]) <= order_key(w[1]), "{w:?}");
+        }
+    }
+
+    #[test]
+    fn the_draw_follows_the_cumulative_mass_in_id_order() {
+        let ln = |p: f32| p.ln();
+        let logits = [ln(0.1), ln(0.4), ln(0.2), ln(0.3)];
+        let pick = |u: f32, r: SampleRow| {
+            sample_row(&mut logits.clone(), &SampleRow { uniform: u, ..r }, &[])
+        };
+        let r = row(1.0);
+        assert_eq!(
+            [0.05, 0.15, 0.45, 0.55, 0.75, 0.99].map(|u| pick(u, r)),
+            [0, 1, 1, 2, 3, 3]
+        );
+        // top_k 2 keeps ids 1 and 3 (0.4 and 0.3): 4/7 and 3/7 of the kept mass.
+        let k2 = SampleRow { top_k: 2, ..r };
+        assert_eq!([0.5, 0.6].map(|u| pick(u, k2)), [1, 3]);
+        // top_p 0.6 keeps 0.4 + 0.3; min_p 0.6 keeps what is at least 0.24.
+        let p = SampleRow { top_p: 0.6, ..r };
+        assert_eq!([0.0, 0.56, 0.58].map(|u| pick(u, p)), [1, 1, 3]);
+        let m = SampleRow { min_p: 0.6, ..r };
+        assert_eq!([0.0, 0.99].map(|u| pick(u, m)), [1, 3]);
+        assert_eq!(pick(0.7, row(0.0)), 1);
+    }
+
+    #[test]
+    fn edits_bias_penalise_and_mask() {
+        let mut logits = vec![1.0, 2.0, -1.0, 0.5];
+        let edits = [
+            LogitEdit {
+                repetition: 2.0,
+                ..LogitEdit::new(1)
+            },
+            LogitEdit {
+                repetition: 2.0,
+                ..LogitEdit::new(2)
+            },
+            LogitEdit {
+                subtract: f32::INFINITY,
+                ..LogitEdit::new(0)
+            },
+            LogitEdit {
+                bias: 0.75,
+                ..LogitEdit::new(3)
+            },
+        ];
+        assert_eq!(sample_row(&mut logits, &row(0.0), &edits), 3);
+        assert_eq!(logits, [f32::NEG_INFINITY, 1.0, -2.0, 1.25]);
+    }
+}
