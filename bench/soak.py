@@ -9,9 +9,10 @@ left in use.
 It starts `target/release/ingot serve` on the model (default: the test model from
 scripts/fetch-test-model) and drives it with a mix of plain, streamed, multi-sample,
 disconnecting (mid-stream and before a non-streamed answer) and invalid requests. RSS is
-read from /proc at start (model loaded), after the warm-up (the first tenth of the run)
-and at the end; growth after the warm-up must stay under 1 %, and no block may be in use
-once the clients stop. Exit status 1 when either fails. Standard library only.
+read from /proc at start (model loaded), after the warm-up (the first fifth of the run)
+and at the end, each time with the clients paused and the server idle, so that requests
+in flight do not count; growth after the warm-up must stay under 1 %, and no block may be
+in use once the clients stop. Exit status 1 when either fails. Standard library only.
 
 The CPU KV cache is committed page by page as blocks are first used, so RSS grows until
 every block has been touched once; the default `--kv-cache-memory` (256 MiB) is small
@@ -62,9 +63,10 @@ def metric(port, name):
 class Client(threading.Thread):
     """One client: picks a request kind at random, sends it, records the outcome."""
 
-    def __init__(self, port, seed, stop, tally, lock):
+    def __init__(self, port, seed, stop, paused, idle, tally, lock):
         super().__init__(daemon=True)
         self.port, self.rng, self.stop, self.tally, self.lock = port, random.Random(seed), stop, tally, lock
+        self.paused, self.idle = paused, idle
 
     def record(self, kind, outcome):
         with self.lock:
@@ -84,6 +86,11 @@ class Client(threading.Thread):
         names = [k for k, _ in kinds]
         weights = [w for _, w in kinds]
         while not self.stop.is_set():
+            if self.paused.is_set():
+                self.idle.set()
+                time.sleep(0.05)
+                continue
+            self.idle.clear()
             kind = self.rng.choices(names, weights)[0]
             try:
                 self.record(kind, getattr(self, kind)())
@@ -191,13 +198,20 @@ def main():
             time.sleep(0.2)
         rss_start = rss_kib(server.pid)
         stop, lock, tally = threading.Event(), threading.Lock(), collections.Counter()
-        clients = [Client(args.port, seed, stop, tally, lock) for seed in range(args.clients)]
+        paused = threading.Event()
+        clients = [Client(args.port, seed, stop, paused, threading.Event(), tally, lock)
+                   for seed in range(args.clients)]
         for c in clients:
             c.start()
         total = args.minutes * 60
         started = time.time()
-        time.sleep(total / 10)
+        time.sleep(total / 5)
+        paused.set()
+        for c in clients:
+            c.idle.wait()
+        time.sleep(2)
         rss_warm = rss_kib(server.pid)
+        paused.clear()
         while (left := total - (time.time() - started)) > 0:
             time.sleep(min(30, left))
             print(f"  {time.time() - started:6.0f} s: {sum(tally.values())} requests, "
@@ -205,7 +219,7 @@ def main():
         stop.set()
         for c in clients:
             c.join(timeout=180)
-        time.sleep(1)
+        time.sleep(2)
         rss_end = rss_kib(server.pid)
         blocks = metric(args.port, "ingot:kv_cache_blocks_in_use")
         seqs = metric(args.port, "ingot:num_sequences_waiting") + metric(args.port, "ingot:num_sequences_running")

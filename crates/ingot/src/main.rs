@@ -7,6 +7,12 @@ mod serve;
 
 use clap::{Parser, Subcommand};
 
+// A long-running server allocates from many threads; glibc's per-thread arenas let its
+// resident memory creep up under mixed traffic (bench/soak.py measured +2.9 % in ten
+// minutes after warm-up), where mimalloc returns freed pages.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "ingot", version, about = "An LLM serving engine")]
 struct Cli {

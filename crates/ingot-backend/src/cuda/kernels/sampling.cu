@@ -157,6 +157,8 @@ __device__ u32 radix_select(const float* x, int vocab, u32 floor, u64 target,
             if (bin != NO_BIN && lane == __ffs(peers) - 1) {
                 hist[warp][bin] += (u64)lo + ((u64)hi << 21);
             }
+            // The next leader of this bin may be another lane: order the write before it.
+            __syncwarp();
         });
         __syncthreads();
         if (threadIdx.x < 256) {
