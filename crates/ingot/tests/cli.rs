@@ -136,10 +136,11 @@ fn bad_arguments_are_reported() {
     assert!(String::from_utf8_lossy(&dtype.stderr).contains("int3"));
 }
 
-/// `bench latency` on dummy weights from a directory holding only config.json: every
-/// figure is reported, and the numbers are measured (positive, ordered as they must be).
+/// `bench latency` and `bench throughput` on dummy weights from a directory holding only
+/// config.json: every figure is reported, and the numbers are measured (positive, ordered
+/// and adding up as they must).
 #[test]
-fn bench_latency_runs_on_dummy_weights_from_a_config() {
+fn benches_run_on_dummy_weights_from_a_config() {
     let dir = std::env::temp_dir().join(format!("ingot-cli-dummy-{}", std::process::id()));
     SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
     for f in [
@@ -222,5 +223,60 @@ fn bench_latency_runs_on_dummy_weights_from_a_config() {
         "--profile-ops",
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("--enforce-eager"));
+
+    // Throughput: every request runs to its drawn length, so the token counts add up.
+    let out = ingot(&[
+        "bench",
+        "throughput",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--num-prompts",
+        "9",
+        "--input-len",
+        "12",
+        "--output-len",
+        "6",
+        "--range-ratio",
+        "0.5",
+        "--warmup",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (prompt, output) = (
+        v["prompt_tokens"].as_u64().unwrap(),
+        v["output_tokens"].as_u64().unwrap(),
+    );
+    assert!((9 * 6..=9 * 18).contains(&prompt), "{v}");
+    assert!((9 * 3..=9 * 9).contains(&output), "{v}");
+    let elapsed = v["elapsed_s"].as_f64().unwrap();
+    let total = v["total_tok_s"].as_f64().unwrap();
+    assert!((total * elapsed - (prompt + output) as f64).abs() < 1e-6 * total * elapsed);
+    assert!(v["e2e_ms"]["max"].as_f64() >= v["ttft_ms"]["max"].as_f64());
+    let bad = ingot(&[
+        "bench",
+        "throughput",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--range-ratio",
+        "1.5",
+    ]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--range-ratio"));
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -4,6 +4,7 @@
 //! throughput up to the batch's last first token, and decode throughput over the steps
 //! that ran decodes only.
 
+use super::{ms, print_text, summary};
 use crate::device::{ModelArgs, OnBackend};
 use crate::generate::{EngineArgs, Format};
 use anyhow::{ensure, Result};
@@ -16,16 +17,10 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-#[derive(clap::Subcommand)]
-pub enum Command {
-    /// Time a fixed batch: TTFT, TPOT, end-to-end, prefill and decode throughput.
-    Latency(LatencyArgs),
-}
-
 #[derive(clap::Args)]
 pub struct LatencyArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(super) model: ModelArgs,
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
     /// Prompt tokens per request (random ids).
@@ -49,19 +44,13 @@ pub struct LatencyArgs {
     #[arg(long, default_value_t = 3)]
     iters: usize,
     #[arg(long, value_enum, default_value = "text")]
-    format: Format,
+    pub(super) format: Format,
     /// Time every op on the device during the timed batches (needs --enforce-eager) and
     /// print the time per op.
     #[arg(long)]
     profile_ops: bool,
     #[command(flatten)]
     engine: EngineArgs,
-}
-
-pub fn run(cmd: Command) -> Result<()> {
-    match cmd {
-        Command::Latency(args) => args.model.clone().on_backend(args),
-    }
 }
 
 /// One timed batch.
@@ -75,28 +64,6 @@ struct Iteration {
     /// Share of the decode steps' time spent outside the model runner (scheduling,
     /// sampling, detokenization).
     decode_host_share: f64,
-}
-
-fn percentile(values: &[f64], p: f64) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
-}
-
-fn summary(values: &[f64]) -> serde_json::Value {
-    let mean = values.iter().sum::<f64>() / values.len() as f64;
-    json!({
-        "mean": mean,
-        "median": percentile(values, 50.0),
-        "p99": percentile(values, 99.0),
-        "min": values.iter().cloned().fold(f64::INFINITY, f64::min),
-        "max": values.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
-    })
-}
-
-fn ms(d: &[Duration]) -> Vec<f64> {
-    d.iter().map(|d| d.as_secs_f64() * 1e3).collect()
 }
 
 impl OnBackend for LatencyArgs {
@@ -238,22 +205,17 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
                 "{device}: batch {} x {} prompt tokens -> {} tokens, {} iterations",
                 args.batch_size, args.input_len, args.output_len, args.iters
             );
-            for (name, key) in [
-                ("TTFT (ms)", "ttft_ms"),
-                ("TPOT (ms)", "tpot_ms"),
-                ("end-to-end (ms)", "e2e_ms"),
-                ("prefill (tok/s)", "prefill_tok_s"),
-                ("decode (tok/s)", "decode_tok_s"),
-                ("decode host share", "decode_host_share"),
-            ] {
-                let s = &report[key];
-                println!(
-                    "  {name:<16} median {:>10.2}  p99 {:>10.2}  mean {:>10.2}",
-                    s["median"].as_f64().unwrap_or(0.0),
-                    s["p99"].as_f64().unwrap_or(0.0),
-                    s["mean"].as_f64().unwrap_or(0.0)
-                );
-            }
+            print_text(
+                &report,
+                &[
+                    ("TTFT (ms)", "ttft_ms"),
+                    ("TPOT (ms)", "tpot_ms"),
+                    ("end-to-end (ms)", "e2e_ms"),
+                    ("prefill (tok/s)", "prefill_tok_s"),
+                    ("decode (tok/s)", "decode_tok_s"),
+                    ("decode host share", "decode_host_share"),
+                ],
+            );
         }
     }
     Ok(())

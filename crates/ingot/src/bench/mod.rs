@@ -1,0 +1,59 @@
+//! `ingot bench`: measured performance of the engine, from its own timestamps.
+
+mod latency;
+mod throughput;
+
+use anyhow::Result;
+use serde_json::json;
+use std::time::Duration;
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// Time a fixed batch: TTFT, TPOT, end-to-end, prefill and decode throughput.
+    Latency(latency::LatencyArgs),
+    /// Run many requests of given or random lengths at once: requests/s and tokens/s.
+    Throughput(throughput::ThroughputArgs),
+}
+
+pub fn run(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Latency(args) => args.model.clone().on_backend(args),
+        Command::Throughput(args) => args.model.clone().on_backend(args),
+    }
+}
+
+fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// Mean, median, p99, min and max.
+fn summary(values: &[f64]) -> serde_json::Value {
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    json!({
+        "mean": mean,
+        "median": percentile(values, 50.0),
+        "p99": percentile(values, 99.0),
+        "min": values.iter().cloned().fold(f64::INFINITY, f64::min),
+        "max": values.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+    })
+}
+
+fn ms(d: &[Duration]) -> Vec<f64> {
+    d.iter().map(|d| d.as_secs_f64() * 1e3).collect()
+}
+
+/// One line per summary of `report`: `(label, key)`.
+fn print_text(report: &serde_json::Value, rows: &[(&str, &str)]) {
+    for (name, key) in rows {
+        let s = &report[*key];
+        println!(
+            "  {name:<16} median {:>10.2}  p99 {:>10.2}  mean {:>10.2}",
+            s["median"].as_f64().unwrap_or(0.0),
+            s["p99"].as_f64().unwrap_or(0.0),
+            s["mean"].as_f64().unwrap_or(0.0)
+        );
+    }
+}

@@ -1,0 +1,150 @@
+//! `ingot bench throughput`: many requests of random token ids, all submitted at once and
+//! run to their lengths (EOS ignored) by the continuous-batching engine, offline. Reports
+//! requests/s, output and total tokens/s over the wall time of the run, and each request's
+//! time to first token and end-to-end latency from the start of the run.
+
+use super::{ms, print_text, summary};
+use crate::device::{ModelArgs, OnBackend};
+use crate::generate::{EngineArgs, Format};
+use anyhow::{ensure, Result};
+use ingot_backend::Backend;
+use ingot_core::SamplingParams;
+use ingot_engine::Engine;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct ThroughputArgs {
+    #[command(flatten)]
+    pub(super) model: ModelArgs,
+    /// Requests, submitted at once.
+    #[arg(long, default_value_t = 200)]
+    num_prompts: usize,
+    /// Prompt tokens per request (random ids).
+    #[arg(long, default_value_t = 256)]
+    input_len: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 128)]
+    output_len: usize,
+    /// Lengths drawn uniformly from [len × (1 − r), len × (1 + r)]; 0 keeps them fixed.
+    #[arg(long, default_value_t = 0.0)]
+    range_ratio: f64,
+    /// Untimed requests run first (CUDA graph capture, kernel caches).
+    #[arg(long, default_value_t = 8)]
+    warmup: usize,
+    /// 0 is greedy; above it every token is drawn.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Seeds the prompts, their lengths and the draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "text")]
+    format: Format,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+impl OnBackend for ThroughputArgs {
+    type Output = ();
+    fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
+        throughput(self, backend)
+    }
+}
+
+/// A length around `len`, at least 1.
+fn length(rng: &mut StdRng, len: usize, ratio: f64) -> usize {
+    let lo = ((len as f64 * (1.0 - ratio)).round() as usize).max(1);
+    let hi = ((len as f64 * (1.0 + ratio)).round() as usize).max(lo);
+    rng.random_range(lo..=hi)
+}
+
+/// `n` requests: random prompts and their sampling parameters.
+fn requests(
+    args: &ThroughputArgs,
+    rng: &mut StdRng,
+    vocab: u32,
+    n: usize,
+) -> (Vec<Vec<u32>>, Vec<SamplingParams>) {
+    (0..n)
+        .map(|i| {
+            let input = length(rng, args.input_len, args.range_ratio);
+            let output = length(rng, args.output_len, args.range_ratio);
+            let prompt = (0..input).map(|_| rng.random_range(0..vocab)).collect();
+            let params = SamplingParams {
+                ignore_eos: true,
+                temperature: args.temperature,
+                seed: Some(args.seed.wrapping_add(i as u64)),
+                ..SamplingParams::greedy(output)
+            };
+            (prompt, params)
+        })
+        .unzip()
+}
+
+fn throughput<B: Backend>(args: ThroughputArgs, backend: B) -> Result<()> {
+    ensure!(
+        args.num_prompts > 0 && args.input_len > 0 && args.output_len > 0,
+        "--num-prompts, --input-len and --output-len must be at least 1"
+    );
+    ensure!(
+        (0.0..1.0).contains(&args.range_ratio),
+        "--range-ratio must be in [0, 1), got {}",
+        args.range_ratio
+    );
+    let device = backend.name();
+    let (model, tokenizer) = args.model.load(&backend)?;
+    let vocab = model.config.vocab_size as u32;
+    let mut engine = Engine::new(backend, model, Arc::new(tokenizer), args.engine.config())?;
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    if args.warmup > 0 {
+        let (prompts, params) = requests(&args, &mut rng, vocab, args.warmup);
+        engine.generate(prompts, &params)?;
+    }
+    let (prompts, params) = requests(&args, &mut rng, vocab, args.num_prompts);
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let start = Instant::now();
+    let outputs = engine.generate(prompts, &params)?;
+    let elapsed = start.elapsed().as_secs_f64();
+    let output_tokens: usize = outputs
+        .iter()
+        .map(|o| o.completions[0].token_ids.len())
+        .sum();
+    let ttft: Vec<Duration> = outputs.iter().map(|o| o.time_to_first_token).collect();
+    let e2e: Vec<Duration> = outputs.iter().map(|o| o.time_to_finish).collect();
+    let report = json!({
+        "device": device,
+        "model": args.model.model,
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed,
+        "requests_per_s": args.num_prompts as f64 / elapsed,
+        "output_tok_s": output_tokens as f64 / elapsed,
+        "total_tok_s": (prompt_tokens + output_tokens) as f64 / elapsed,
+        "ttft_ms": summary(&ms(&ttft)),
+        "e2e_ms": summary(&ms(&e2e)),
+    });
+    match args.format {
+        Format::Json => println!("{report}"),
+        Format::Text => {
+            println!(
+                "{device}: {} requests, {prompt_tokens} prompt and {output_tokens} output tokens in {elapsed:.2} s",
+                args.num_prompts
+            );
+            println!(
+                "  {:.2} requests/s, {:.1} output tok/s, {:.1} total tok/s",
+                report["requests_per_s"].as_f64().unwrap_or(0.0),
+                report["output_tok_s"].as_f64().unwrap_or(0.0),
+                report["total_tok_s"].as_f64().unwrap_or(0.0)
+            );
+            print_text(
+                &report,
+                &[("TTFT (ms)", "ttft_ms"), ("end-to-end (ms)", "e2e_ms")],
+            );
+        }
+    }
+    Ok(())
+}
