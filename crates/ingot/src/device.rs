@@ -52,7 +52,7 @@ pub struct ModelArgs {
     /// cpu, cuda[:N], or auto (a CUDA GPU when one is found, else the CPU).
     #[arg(long, default_value = "auto")]
     pub device: Device,
-    /// CPU worker threads (default: all cores).
+    /// CPU worker threads (default: one per physical core).
     #[arg(long)]
     pub threads: Option<usize>,
     #[arg(long, value_enum, default_value = "auto")]

@@ -4,6 +4,7 @@
 mod attention;
 mod buffer;
 mod matmul;
+mod topology;
 
 pub use buffer::CpuBuffer;
 pub use matmul::GEMV_MAX_ROWS;
@@ -28,10 +29,9 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend running on `threads` threads (all cores when `None`).
+    /// A backend running on `threads` threads (one per physical core when `None`).
     pub fn new(threads: Option<usize>) -> anyhow::Result<Self> {
-        let threads =
-            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let threads = threads.unwrap_or_else(topology::default_threads);
         anyhow::ensure!(threads > 0, "--threads must be at least 1");
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
