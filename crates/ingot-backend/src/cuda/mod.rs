@@ -35,8 +35,15 @@ const HEADS_PER_BLOCK: usize = 16;
 const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// Most rows a matmul runs through the GEMV kernels instead of cuBLASLt.
 const GEMV_MAX_ROWS: usize = 4;
-/// Output columns one GEMV block computes (the kernel's ROWS).
-const GEMV_COLUMNS: usize = 4;
+
+/// Output columns one GEMV block computes for `m` rows (the kernel's COLS).
+fn gemv_columns(m: usize) -> usize {
+    if m == 1 {
+        2
+    } else {
+        4
+    }
+}
 /// cuBLASLt's workspace (what it recommends for Hopper).
 const GEMM_WORKSPACE: usize = 32 << 20;
 
@@ -322,7 +329,7 @@ impl CudaBackend {
         let (xp, wp, nn, kk, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out.row_stride as i64);
         launch!(self, format!("{kernel}_{}_{}_m{m}", suffix(x.dtype), suffix(out.buf.dtype)),
             label = format!("{kernel} m{m} n{n} k{k}"),
-            (n.div_ceil(GEMV_COLUMNS) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
+            (n.div_ceil(gemv_columns(m)) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
     }
 
     /// Workspace f32 elements one row of split-KV attention needs.
