@@ -857,6 +857,23 @@ fn argmax_picks_the_first_maximum_like_the_cpu() {
     }
 }
 
+/// Runs `Backend::sample` and returns the ids and the rows it leaves in `logits`.
+fn sample_on<B: Backend>(
+    b: &B,
+    rows: &[SampleRow],
+    edits: &[LogitEdit],
+    logits: &[f32],
+    vocab: usize,
+) -> (Vec<i32>, Vec<f32>) {
+    let mut l = up(b, logits, DType::F32);
+    let p = up_i32(b, bytemuck::cast_slice(rows));
+    let e = up_i32(b, bytemuck::cast_slice(edits));
+    let mut out = b.alloc(DType::I32, rows.len()).unwrap();
+    b.sample(&mut l, rows.len(), vocab, &p, &e, &mut out);
+    let ids = b.download_i32(&out, rows.len()).unwrap();
+    (ids, b.download_f32(&l, logits.len()).unwrap())
+}
+
 /// Sampling on the device picks exactly the CPU reference's token for the same uniform
 /// draws: edits, argmax, top-k, top-p and min-p alone and together, on real vocab sizes.
 #[test]
@@ -898,26 +915,8 @@ fn sampling_picks_the_cpu_reference_token() {
         let logits: Vec<f32> = (0..n * vocab)
             .map(|_| rng.random_range(-8.0f32..8.0))
             .collect();
-        let on_gpu = |rows: &[SampleRow], edits: &[LogitEdit], logits: &[f32]| {
-            let mut l = up(&g, logits, DType::F32);
-            let p = up_i32(&g, bytemuck::cast_slice(rows));
-            let e = up_i32(&g, bytemuck::cast_slice(edits));
-            let mut out = g.alloc(DType::I32, rows.len()).unwrap();
-            g.sample(&mut l, rows.len(), vocab, &p, &e, &mut out);
-            let ids = g.download_i32(&out, rows.len()).unwrap();
-            (ids, g.download_f32(&l, logits.len()).unwrap())
-        };
-        let on_cpu = |rows: &[SampleRow], edits: &[LogitEdit], logits: &[f32]| {
-            let mut l = up(&c, logits, DType::F32);
-            let p = up_i32(&c, bytemuck::cast_slice(rows));
-            let e = up_i32(&c, bytemuck::cast_slice(edits));
-            let mut out = c.alloc(DType::I32, rows.len()).unwrap();
-            c.sample(&mut l, rows.len(), vocab, &p, &e, &mut out);
-            let ids = c.download_i32(&out, rows.len()).unwrap();
-            (ids, c.download_f32(&l, logits.len()).unwrap())
-        };
-        let (got, got_logits) = on_gpu(&rows, &edits, &logits);
-        let (want, want_logits) = on_cpu(&rows, &edits, &logits);
+        let (got, got_logits) = sample_on(&g, &rows, &edits, &logits, vocab);
+        let (want, want_logits) = sample_on(&c, &rows, &edits, &logits, vocab);
         // Greedy rows keep the edited logits, exactly; drawn rows their probabilities,
         // which differ by the last bits of the exponentials.
         for (r, p) in rows.iter().enumerate() {

@@ -128,15 +128,13 @@ fn queued_requests_go_when_abandoned_and_on_drain() {
         ignore_eos: true,
         ..SamplingParams::greedy(60)
     };
+    let four_samples = SamplingParams {
+        n: 4,
+        ..long.clone()
+    };
     let (_, mut running) = handle.add_request(vec![5; 7], long.clone()).unwrap();
     let (_, queued) = handle
-        .add_request(
-            vec![6; 11],
-            SamplingParams {
-                n: 4,
-                ..long.clone()
-            },
-        )
+        .add_request(vec![6; 11], four_samples.clone())
         .unwrap();
     drop(queued);
     let mut tokens = 0;
@@ -150,15 +148,7 @@ fn queued_requests_go_when_abandoned_and_on_drain() {
     // Four samples wait behind the running one: two more fit, three do not.
     let (_, mut running) = handle.add_request(vec![5; 7], long.clone()).unwrap();
     let mut tokens = running.blocking_recv().unwrap().unwrap().token_ids.len();
-    let (_, mut queued) = handle
-        .add_request(
-            vec![6; 11],
-            SamplingParams {
-                n: 4,
-                ..long.clone()
-            },
-        )
-        .unwrap();
+    let (_, mut queued) = handle.add_request(vec![6; 11], four_samples).unwrap();
     let err = handle
         .add_request(
             vec![7; 3],

@@ -11,12 +11,23 @@ fn ingot(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// Runs `ingot` to success and parses its standard output as one JSON value.
+fn ingot_json(args: &[&str]) -> serde_json::Value {
+    let out = ingot(args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn generate_prints_json_with_prompt_and_generated_ids() {
     let dir = std::env::temp_dir().join(format!("ingot-cli-{}", std::process::id()));
     SyntheticSpec::tiny(Arch::Qwen2).write(&dir).unwrap();
     let model = dir.to_str().unwrap();
-    let out = ingot(&[
+    let v = ingot_json(&[
         "generate",
         "--model",
         model,
@@ -30,12 +41,6 @@ fn generate_prints_json_with_prompt_and_generated_ids() {
         "--threads",
         "1",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["prompt_token_ids"], serde_json::json!([3, 5, 7]));
     assert_eq!(v["token_ids"].as_array().unwrap().len(), 6);
     assert!(
@@ -225,7 +230,7 @@ fn benches_run_on_dummy_weights_from_a_config() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--enforce-eager"));
 
     // Throughput: every request runs to its drawn length, so the token counts add up.
-    let out = ingot(&[
+    let v = ingot_json(&[
         "bench",
         "throughput",
         "--model",
@@ -249,12 +254,6 @@ fn benches_run_on_dummy_weights_from_a_config() {
         "--format",
         "json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let (prompt, output) = (
         v["prompt_tokens"].as_u64().unwrap(),
         v["output_tokens"].as_u64().unwrap(),
