@@ -136,7 +136,7 @@ class Client(threading.Thread):
         conn, r = self.post("/v1/completions", body)
         status = r.status
         if status == 200:
-            r.read1(64) if hasattr(r, "read1") else r.read(64)
+            r.read1(64)
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
         return f"{status} then left"

@@ -96,11 +96,12 @@ pub fn sample_row(logits: &mut [f32], row: &SampleRow, edits: &[LogitEdit]) -> u
         *x = ((*x - max) * inv_t).exp();
     }
     let probs: &[f32] = logits;
-    let mut keys: Vec<u32> = probs.iter().map(|&p| order_key(p)).collect();
-    keys.sort_unstable_by_key(|&k| std::cmp::Reverse(k));
     let k = row.top_k as usize;
     let kth = if k > 0 && k < probs.len() {
-        keys[k - 1]
+        let mut keys: Vec<u32> = probs.iter().map(|&p| order_key(p)).collect();
+        *keys
+            .select_nth_unstable_by_key(k - 1, |&key| std::cmp::Reverse(key))
+            .1
     } else {
         0
     };

@@ -172,15 +172,10 @@ impl SamplingParams {
         check(self.stop.iter().all(|s| !s.is_empty()), "stop", || {
             "stop strings must not be empty".into()
         })?;
-        if let Some(s) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
-            return Err(InvalidParam {
-                field: "stop",
-                message: format!(
-                    "a stop string is at most {MAX_STOP_BYTES} bytes, got {}",
-                    s.len()
-                ),
-            });
-        }
+        let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
+        check(longest <= MAX_STOP_BYTES, "stop", || {
+            format!("a stop string is at most {MAX_STOP_BYTES} bytes, got {longest}")
+        })?;
         check(
             self.stop_token_ids.len() <= MAX_STOP_TOKEN_IDS,
             "stop_token_ids",

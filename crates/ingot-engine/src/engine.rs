@@ -435,7 +435,8 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Forgets a finished sequence; the request goes when its last sequence does.
+    /// Forgets a finished (or aborted) sequence; the request goes when its last sequence
+    /// does.
     fn finish_seq(&mut self, request_id: RequestId, id: SeqId) {
         self.scheduler.remove(id);
         self.seqs.remove(&id);
@@ -464,28 +465,23 @@ impl<B: Backend> Engine<B> {
     /// (a preempted sequence keeps its place) and siblings not yet made. Returns, per
     /// request touched, how many samples it lost and whether it is gone.
     pub fn abort_unstarted(&mut self) -> Vec<(RequestId, usize, bool)> {
+        let mut lost: HashMap<RequestId, usize> = HashMap::new();
+        for (&request_id, req) in &mut self.requests {
+            if let Some(sib) = req.siblings.take() {
+                *lost.entry(request_id).or_default() += sib.params.n - 1;
+            }
+        }
         let unstarted: Vec<SeqId> = self
             .scheduler
             .waiting()
             .filter(|s| s.num_output() == 0)
             .map(|s| s.id)
             .collect();
-        let mut lost: HashMap<RequestId, usize> = HashMap::new();
         for id in unstarted {
             let request_id = self.seqs[&id].request_id;
             *lost.entry(request_id).or_default() += 1;
-            self.scheduler.remove(id);
-            self.seqs.remove(&id);
-            if let Some(req) = self.requests.get_mut(&request_id) {
-                req.seqs.retain(|&s| s != id);
-            }
+            self.finish_seq(request_id, id);
         }
-        for (&request_id, req) in &mut self.requests {
-            if let Some(sib) = req.siblings.take() {
-                *lost.entry(request_id).or_default() += sib.params.n - 1;
-            }
-        }
-        self.requests.retain(|_, r| !r.seqs.is_empty());
         lost.into_iter()
             .map(|(id, n)| (id, n, !self.requests.contains_key(&id)))
             .collect()

@@ -49,7 +49,7 @@ enum Command {
         prompt: Vec<u32>,
         params: Box<SamplingParams>,
         events: EventSender,
-        admitted: tokio::sync::oneshot::Sender<Result<()>>,
+        admitted: tokio::sync::oneshot::Sender<Result<(), SubmitError>>,
     },
     Abort(RequestId),
     /// Shutting down: refuse new requests and abort those not started.
@@ -86,7 +86,7 @@ impl Drop for Inner {
 struct Admission {
     id: RequestId,
     events: Events,
-    ack: tokio::sync::oneshot::Receiver<Result<()>>,
+    ack: tokio::sync::oneshot::Receiver<Result<(), SubmitError>>,
 }
 
 struct Live {
@@ -205,22 +205,11 @@ impl EngineHandle {
 fn admitted(
     id: RequestId,
     events: Events,
-    reply: Result<Result<()>, tokio::sync::oneshot::error::RecvError>,
+    reply: Result<Result<(), SubmitError>, tokio::sync::oneshot::error::RecvError>,
 ) -> Result<(RequestId, Events), SubmitError> {
-    reply
-        .map_err(|_| SubmitError::Stopped)?
-        .map_err(|e| match e.downcast::<QueueFull>() {
-            Ok(full) => SubmitError::AtCapacity(full),
-            Err(e) if e.is::<Draining>() => SubmitError::ShuttingDown,
-            Err(e) => SubmitError::Rejected(e),
-        })?;
+    reply.map_err(|_| SubmitError::Stopped)??;
     Ok((id, events))
 }
-
-/// Refusal of a request that arrives after [`EngineHandle::drain`].
-#[derive(Debug, thiserror::Error)]
-#[error("the server is shutting down")]
-struct Draining;
 
 /// The engine thread's state besides the engine.
 #[derive(Default)]
@@ -268,11 +257,16 @@ fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
             admitted,
         } => {
             if state.draining {
-                let _ = admitted.send(Err(Draining.into()));
+                let _ = admitted.send(Err(SubmitError::ShuttingDown));
                 return;
             }
             let n = params.n;
-            let result = engine.add_request(id, prompt, *params);
+            let result = engine.add_request(id, prompt, *params).map_err(|e| {
+                match e.downcast::<QueueFull>() {
+                    Ok(full) => SubmitError::AtCapacity(full),
+                    Err(e) => SubmitError::Rejected(e),
+                }
+            });
             if result.is_ok() {
                 live.insert(
                     id,

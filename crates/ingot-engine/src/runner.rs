@@ -153,9 +153,12 @@ impl<B: Backend> ModelRunner<B> {
     /// on the device so that only the ids come back.
     pub fn execute_greedy(&mut self, input: &StepInput) -> Result<Vec<u32>> {
         self.run(input)?;
-        let ids = self
-            .backend
-            .download_i32(&self.greedy, input.logits_indices.len())?;
+        self.picked_ids(input.logits_indices.len())
+    }
+
+    /// The token ids the device picked for the first `n` sampled rows.
+    fn picked_ids(&self, n: usize) -> Result<Vec<u32>> {
+        let ids = self.backend.download_i32(&self.greedy, n)?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 
@@ -190,8 +193,7 @@ impl<B: Backend> ModelRunner<B> {
                 &mut self.greedy,
             )
         });
-        let ids = b.download_i32(&self.greedy, rows.len())?;
-        Ok(ids.into_iter().map(|t| t as u32).collect())
+        self.picked_ids(rows.len())
     }
 
     fn validate(&self, input: &StepInput) -> Result<()> {

@@ -101,35 +101,9 @@ impl Sampler {
     ) -> (u32, Option<TokenLogprobs>) {
         let p = &self.params;
         let raw_logprobs = p.logprobs.map(|_| log_softmax(logits));
-        for (&id, &bias) in &p.logit_bias {
-            logits[id as usize] += bias;
-        }
-        if num_output < p.min_tokens {
-            for &id in &self.stop_ids {
-                logits[id as usize] = f32::NEG_INFINITY;
-            }
-        }
-        if p.repetition_penalty != 1.0 {
-            let mut seen: Vec<u32> = tokens.to_vec();
-            seen.sort_unstable();
-            seen.dedup();
-            for id in seen {
-                let l = &mut logits[id as usize];
-                *l = if *l > 0.0 {
-                    *l / p.repetition_penalty
-                } else {
-                    *l * p.repetition_penalty
-                };
-            }
-        }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            let mut counts: HashMap<u32, u32> = HashMap::new();
-            for &t in &tokens[tokens.len() - num_output..] {
-                *counts.entry(t).or_default() += 1;
-            }
-            for (id, c) in counts {
-                logits[id as usize] -= p.presence_penalty + p.frequency_penalty * c as f32;
-            }
+        for e in self.logit_edits(tokens, num_output) {
+            let x = &mut logits[e.token as usize];
+            *x = e.apply(*x);
         }
         let (greedy, top_n) = (p.is_greedy(), p.logprobs.unwrap_or(0));
         let token = if greedy {
@@ -148,16 +122,11 @@ impl Sampler {
         (token, logprobs)
     }
 
-    /// The same choice as [`sample`](Self::sample) (without logprobs), described for
-    /// [`ingot_backend::Backend::sample`]: this row's parameters, with its logits
-    /// processors appended to `edits` as one edit per token. A draw takes one number from
-    /// the request's random stream, as on the host, so seeds reproduce.
-    pub fn device_row(
-        &mut self,
-        tokens: &[u32],
-        num_output: usize,
-        edits: &mut Vec<LogitEdit>,
-    ) -> SampleRow {
+    /// The logits processors for the next token of a sequence whose tokens so far are
+    /// `tokens` (the last `num_output` generated), as one edit per token: logit bias, stop
+    /// ids masked before `min_tokens`, the repetition penalty on every token seen, and the
+    /// presence and frequency penalties on output tokens.
+    fn logit_edits(&self, tokens: &[u32], num_output: usize) -> Vec<LogitEdit> {
         let p = &self.params;
         let mut by_token: HashMap<u32, LogitEdit> = HashMap::new();
         for (&id, &bias) in &p.logit_bias {
@@ -183,8 +152,22 @@ impl Sampler {
                     p.presence_penalty + p.frequency_penalty * c as f32;
             }
         }
+        by_token.into_values().collect()
+    }
+
+    /// The same choice as [`sample`](Self::sample) (without logprobs), described for
+    /// [`ingot_backend::Backend::sample`]: this row's parameters, with its logits
+    /// processors appended to `edits`. A draw takes one number from the request's random
+    /// stream, as on the host, so seeds reproduce.
+    pub fn device_row(
+        &mut self,
+        tokens: &[u32],
+        num_output: usize,
+        edits: &mut Vec<LogitEdit>,
+    ) -> SampleRow {
         let edit_start = edits.len() as u32;
-        edits.extend(by_token.into_values());
+        edits.extend(self.logit_edits(tokens, num_output));
+        let p = &self.params;
         let greedy = p.is_greedy();
         SampleRow {
             temperature: if greedy { 0.0 } else { p.temperature },

@@ -72,9 +72,10 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
 }
 
 // Drawing a token as crate::sampling::sample_row does: the host's reference and this kernel
-// pick the same token for the same uniform draw. Thresholds are keys of the logits found by
-// radix select (integer counts, or mass in 2^-40 fixed point summed with integer atomics),
-// so every sum is exact and the result does not depend on the order of additions.
+// pick the same token for the same uniform draw. Thresholds are keys of the relative
+// probabilities found by radix select (integer counts, or mass in 2^-40 fixed point summed
+// with warp reductions), so every sum is exact and the result does not depend on the order
+// of additions.
 
 typedef unsigned long long u64;
 
