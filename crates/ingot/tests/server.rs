@@ -557,3 +557,79 @@ async fn one_request_cannot_wedge_the_server() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// `ingot bench serve --format json` against `base`.
+async fn bench_serve(base: &str, dir: &std::path::Path, extra: &[&str]) -> Value {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ingot"));
+    cmd.args(["bench", "serve", "--base-url", base, "--tokenizer"])
+        .arg(dir)
+        .args([
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "12",
+            "--output-len",
+            "5",
+        ])
+        .args(["--format", "json"])
+        .args(extra);
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_serve_counts_tokens_and_failures() {
+    let s = Server::start("bench", &[]).await;
+    let saved = s.dir.join("result.json");
+    let r = bench_serve(
+        &s.base,
+        &s.dir,
+        &[
+            "--max-concurrency",
+            "3",
+            "--save-result",
+            saved.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (r["completed"].as_u64(), r["failed"].as_u64()),
+        (Some(6), Some(0)),
+        "{r}"
+    );
+    assert_eq!(r["model"], "tiny", "the name comes from /v1/models");
+    assert_eq!(r["usage_reported"], true);
+    assert_eq!(r["total_output_tokens"], 30, "{r}");
+    assert!(r["total_input_tokens"].as_u64().unwrap() >= 72, "{r}");
+    for key in ["ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"] {
+        assert!(r[key]["p99"].as_f64().unwrap() >= r[key]["median"].as_f64().unwrap());
+    }
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let requests = saved["requests"].as_array().unwrap();
+    assert_eq!(requests.len(), 6);
+    assert!(requests
+        .iter()
+        .all(|q| q["itl_ms"].as_array().unwrap().len() == 4));
+
+    let r = bench_serve(
+        &s.base,
+        &s.dir,
+        &["--model", "absent", "--request-rate", "50"],
+    )
+    .await;
+    assert_eq!(
+        (r["completed"].as_u64(), r["failed"].as_u64()),
+        (Some(0), Some(6)),
+        "{r}"
+    );
+    assert!(r["errors"][0].as_str().unwrap().contains("404"), "{r}");
+    assert!(r["ttft_ms"].is_null());
+}

@@ -1,9 +1,12 @@
 //! `ingot bench`: measured performance of the engine, from its own timestamps.
 
 mod latency;
+mod serve;
 mod throughput;
 
 use anyhow::Result;
+use rand::rngs::StdRng;
+use rand::Rng;
 use serde_json::json;
 use std::time::Duration;
 
@@ -13,13 +16,24 @@ pub enum Command {
     Latency(latency::LatencyArgs),
     /// Run many requests of given or random lengths at once: requests/s and tokens/s.
     Throughput(throughput::ThroughputArgs),
+    /// Load an OpenAI-compatible server over HTTP (ingot, llama-server, vLLM): TTFT, TPOT,
+    /// ITL and end-to-end latency under a request rate or a concurrency cap.
+    Serve(serve::ServeArgs),
 }
 
 pub fn run(cmd: Command) -> Result<()> {
     match cmd {
         Command::Latency(args) => args.model.clone().on_backend(args),
         Command::Throughput(args) => args.model.clone().on_backend(args),
+        Command::Serve(args) => serve::run(args),
     }
+}
+
+/// A length around `len`, at least 1: uniform in [len × (1 − ratio), len × (1 + ratio)].
+fn length(rng: &mut StdRng, len: usize, ratio: f64) -> usize {
+    let lo = ((len as f64 * (1.0 - ratio)).round() as usize).max(1);
+    let hi = ((len as f64 * (1.0 + ratio)).round() as usize).max(lo);
+    rng.random_range(lo..=hi)
 }
 
 fn percentile(values: &[f64], p: f64) -> f64 {

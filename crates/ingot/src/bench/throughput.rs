@@ -3,7 +3,7 @@
 //! requests/s, output and total tokens/s over the wall time of the run, and each request's
 //! time to first token and end-to-end latency from the start of the run.
 
-use super::{ms, print_text, summary};
+use super::{length, ms, print_text, summary};
 use crate::device::{ModelArgs, OnBackend};
 use crate::generate::{EngineArgs, Format};
 use anyhow::{ensure, Result};
@@ -52,13 +52,6 @@ impl OnBackend for ThroughputArgs {
     fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
         throughput(self, backend)
     }
-}
-
-/// A length around `len`, at least 1.
-fn length(rng: &mut StdRng, len: usize, ratio: f64) -> usize {
-    let lo = ((len as f64 * (1.0 - ratio)).round() as usize).max(1);
-    let hi = ((len as f64 * (1.0 + ratio)).round() as usize).max(lo);
-    rng.random_range(lo..=hi)
 }
 
 /// `n` requests: random prompts and their sampling parameters.

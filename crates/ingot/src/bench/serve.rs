@@ -1,0 +1,506 @@
+//! `ingot bench serve`: a load generator for any OpenAI-compatible server (ingot,
+//! llama.cpp's llama-server, vLLM). Random prompts of the asked token counts are built
+//! with the model's tokenizer, sent as streaming requests at a Poisson rate or under a
+//! concurrency cap, and timed on arrival of each streamed chunk: TTFT (send → first text),
+//! ITL (between texts), TPOT ((end − first text) / (output tokens − 1)) and E2EL. Token
+//! counts are the server's `usage`; a server that reports none is counted by text chunks
+//! and the report says so.
+
+use super::{ms, percentile};
+use crate::generate::Format;
+use anyhow::{bail, ensure, Context, Result};
+use futures_util::StreamExt;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use ingot_model::{Checkpoint, Tokenizer};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// The server, e.g. http://127.0.0.1:8000 (plain HTTP).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    base_url: String,
+    /// /v1/completions, or /v1/chat/completions (the prompt becomes one user message).
+    #[arg(long, default_value = "/v1/completions")]
+    endpoint: String,
+    /// Model name sent in requests (default: the first of the server's GET /v1/models).
+    #[arg(long)]
+    model: Option<String>,
+    /// The model's tokenizer, to build prompts of --input-len tokens: an HF directory or
+    /// a .gguf file.
+    #[arg(long)]
+    tokenizer: PathBuf,
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Requests in the run.
+    #[arg(long, default_value_t = 200)]
+    num_prompts: usize,
+    /// Prompt tokens per request (random token ids, decoded to text).
+    #[arg(long, default_value_t = 256)]
+    input_len: usize,
+    /// Tokens generated per request (`max_tokens`, with `ignore_eos`).
+    #[arg(long, default_value_t = 128)]
+    output_len: usize,
+    /// Lengths drawn uniformly from [len × (1 − r), len × (1 + r)]; 0 keeps them fixed.
+    #[arg(long, default_value_t = 0.0)]
+    range_ratio: f64,
+    /// Requests per second, arrivals drawn from a Poisson process; inf sends all at once.
+    #[arg(long, default_value = "inf")]
+    request_rate: f64,
+    /// At most this many requests in flight (default: no cap).
+    #[arg(long)]
+    max_concurrency: Option<usize>,
+    /// 0 is greedy; above it every token is drawn.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Seeds the prompts, their lengths and the arrival times.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Seconds after which one request is given up and counted as failed.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Also write the report (with every request's timings) to this JSON file.
+    #[arg(long)]
+    save_result: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "text")]
+    format: Format,
+}
+
+/// One request to send.
+struct Request {
+    prompt: String,
+    max_tokens: usize,
+}
+
+/// What one request measured.
+#[derive(Default)]
+struct Outcome {
+    error: Option<String>,
+    prompt_tokens: Option<usize>,
+    output_tokens: Option<usize>,
+    text_chunks: usize,
+    ttft: Option<Duration>,
+    itl: Vec<Duration>,
+    e2el: Duration,
+}
+
+impl Outcome {
+    /// Output tokens as the server counted them, else the chunks that carried text.
+    fn tokens(&self) -> usize {
+        self.output_tokens.unwrap_or(self.text_chunks)
+    }
+
+    fn tpot(&self) -> Option<Duration> {
+        let ttft = self.ttft?;
+        let n = self.tokens();
+        (n > 1).then(|| (self.e2el - ttft) / (n as u32 - 1))
+    }
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    ensure!(
+        args.num_prompts > 0 && args.input_len > 0 && args.output_len > 0,
+        "--num-prompts, --input-len and --output-len must be at least 1"
+    );
+    ensure!(
+        (0.0..1.0).contains(&args.range_ratio),
+        "--range-ratio must be in [0, 1), got {}",
+        args.range_ratio
+    );
+    ensure!(
+        args.request_rate > 0.0,
+        "--request-rate must be above 0 (inf sends all at once)"
+    );
+    ensure!(
+        args.max_concurrency != Some(0),
+        "--max-concurrency must be at least 1"
+    );
+    ensure!(
+        args.base_url.starts_with("http://"),
+        "--base-url must be a plain http:// URL (this build has no TLS), got {}",
+        args.base_url
+    );
+    let tokenizer = Tokenizer::from_checkpoint(&Checkpoint::open(&args.tokenizer)?)
+        .with_context(|| format!("loading the tokenizer of {}", args.tokenizer.display()))?;
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let requests = (0..args.num_prompts)
+        .map(|_| {
+            let input = super::length(&mut rng, args.input_len, args.range_ratio);
+            let output = super::length(&mut rng, args.output_len, args.range_ratio);
+            Ok(Request {
+                prompt: random_prompt(&tokenizer, &mut rng, input)?,
+                max_tokens: output,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let delays = arrivals(&mut rng, args.num_prompts, args.request_rate);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(bench(args, requests, delays))
+}
+
+/// Text of exactly `len` tokens when re-encoded, where the tokenizer allows: random ids are
+/// decoded (special tokens dropped), re-encoded, and cut or topped up until the count holds.
+fn random_prompt(tokenizer: &Tokenizer, rng: &mut StdRng, len: usize) -> Result<String> {
+    let vocab = tokenizer.vocab_size() as u32;
+    let mut ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+    let mut text = String::new();
+    for _ in 0..16 {
+        text = tokenizer.decode(&ids, true)?;
+        let encoded = tokenizer.encode(&text, false)?;
+        if encoded.len() == len {
+            break;
+        }
+        ids = encoded;
+        ids.truncate(len);
+        while ids.len() < len {
+            ids.push(rng.random_range(0..vocab));
+        }
+    }
+    Ok(text)
+}
+
+/// The send time of each request from the start of the run.
+fn arrivals(rng: &mut StdRng, n: usize, rate: f64) -> Vec<Duration> {
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            if rate.is_finite() {
+                t += -(1.0 - rng.random::<f64>()).ln() / rate;
+            }
+            Duration::from_secs_f64(t)
+        })
+        .collect()
+}
+
+async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -> Result<()> {
+    let base = args.base_url.trim_end_matches('/').to_string();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs_f64(args.request_timeout))
+        .build()?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &base, args.api_key.as_deref()).await?,
+    };
+    let progress = if matches!(args.format, Format::Json) {
+        ProgressBar::hidden()
+    } else {
+        let bar = ProgressBar::with_draw_target(
+            Some(requests.len() as u64),
+            ProgressDrawTarget::stderr(),
+        );
+        bar.set_style(ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} requests {elapsed_precise}",
+        )?);
+        bar
+    };
+    let limit = Arc::new(Semaphore::new(
+        args.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
+    ));
+    let chat = args.endpoint.contains("chat");
+    let url = format!("{base}{}", args.endpoint);
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(requests.len());
+    for (req, delay) in requests.iter().zip(delays) {
+        tokio::time::sleep_until((start + delay).into()).await;
+        let permit = limit.clone().acquire_owned().await?;
+        let mut body = json!({
+            "model": model,
+            "max_tokens": req.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": true,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        if chat {
+            body["messages"] = json!([{"role": "user", "content": req.prompt}]);
+        } else {
+            body["prompt"] = json!(req.prompt);
+        }
+        let mut post = client.post(&url).json(&body);
+        if let Some(key) = &args.api_key {
+            post = post.bearer_auth(key);
+        }
+        let progress = progress.clone();
+        tasks.push(tokio::spawn(async move {
+            let outcome = send(post, chat).await;
+            drop(permit);
+            progress.inc(1);
+            outcome
+        }));
+    }
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        outcomes.push(t.await?);
+    }
+    let duration = start.elapsed().as_secs_f64();
+    progress.finish_and_clear();
+    let report = report(&args, &model, &outcomes, duration);
+    if let Some(path) = &args.save_result {
+        let mut saved = report.clone();
+        saved["requests"] = outcomes
+            .iter()
+            .map(|o| {
+                json!({
+                    "error": o.error,
+                    "prompt_tokens": o.prompt_tokens,
+                    "output_tokens": o.tokens(),
+                    "ttft_ms": o.ttft.map(|t| t.as_secs_f64() * 1e3),
+                    "itl_ms": ms(&o.itl),
+                    "e2el_ms": o.e2el.as_secs_f64() * 1e3,
+                })
+            })
+            .collect();
+        std::fs::write(path, serde_json::to_string_pretty(&saved)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    match args.format {
+        Format::Json => println!("{report}"),
+        Format::Text => print_report(&report),
+    }
+    Ok(())
+}
+
+async fn first_model(client: &reqwest::Client, base: &str, key: Option<&str>) -> Result<String> {
+    let mut get = client.get(format!("{base}/v1/models"));
+    if let Some(key) = key {
+        get = get.bearer_auth(key);
+    }
+    let models: Value = get
+        .send()
+        .await
+        .with_context(|| format!("GET {base}/v1/models"))?
+        .error_for_status()?
+        .json()
+        .await?;
+    match models["data"][0]["id"].as_str() {
+        Some(id) => Ok(id.to_string()),
+        None => bail!("{base}/v1/models lists no model; name one with --model"),
+    }
+}
+
+/// Sends one streaming request and times its chunks.
+async fn send(post: reqwest::RequestBuilder, chat: bool) -> Outcome {
+    let sent = Instant::now();
+    let mut out = Outcome::default();
+    if let Err(e) = stream(post, chat, sent, &mut out).await {
+        out.error = Some(format!("{e:#}"));
+    }
+    out.e2el = sent.elapsed();
+    out
+}
+
+async fn stream(
+    post: reqwest::RequestBuilder,
+    chat: bool,
+    sent: Instant,
+    out: &mut Outcome,
+) -> Result<()> {
+    let response = post.send().await?;
+    let status = response.status();
+    if !status.is_success() {
+        let body = response.text().await.unwrap_or_default();
+        bail!(
+            "HTTP {status}: {}",
+            body.chars().take(300).collect::<String>()
+        );
+    }
+    let mut bytes = response.bytes_stream();
+    let mut buf = Vec::new();
+    let mut last = sent;
+    let mut done = false;
+    while let Some(piece) = bytes.next().await {
+        buf.extend_from_slice(&piece?);
+        while let Some(end) = event_end(&buf) {
+            let event: Vec<u8> = buf.drain(..end).collect();
+            for line in String::from_utf8_lossy(&event).lines() {
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let chunk: Value =
+                    serde_json::from_str(data).with_context(|| format!("bad chunk: {data}"))?;
+                if let Some(e) = chunk.get("error") {
+                    bail!("error in stream: {e}");
+                }
+                if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
+                    out.prompt_tokens = usage["prompt_tokens"].as_u64().map(|n| n as usize);
+                    out.output_tokens = usage["completion_tokens"].as_u64().map(|n| n as usize);
+                }
+                let choice = &chunk["choices"][0];
+                let text = if chat {
+                    &choice["delta"]["content"]
+                } else {
+                    &choice["text"]
+                };
+                if text.as_str().is_some_and(|t| !t.is_empty()) {
+                    let now = Instant::now();
+                    match out.ttft {
+                        None => out.ttft = Some(now - sent),
+                        Some(_) => out.itl.push(now - last),
+                    }
+                    last = now;
+                    out.text_chunks += 1;
+                }
+            }
+        }
+    }
+    ensure!(done, "the stream ended without [DONE]");
+    ensure!(out.ttft.is_some(), "no text was streamed");
+    Ok(())
+}
+
+/// The end (exclusive) of the first complete SSE event in `buf`.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Mean, median, p90 and p99 in ms; null when nothing was measured.
+fn stats(values: &[f64]) -> Value {
+    if values.is_empty() {
+        return Value::Null;
+    }
+    json!({
+        "mean": values.iter().sum::<f64>() / values.len() as f64,
+        "median": percentile(values, 50.0),
+        "p90": percentile(values, 90.0),
+        "p99": percentile(values, 99.0),
+    })
+}
+
+fn report(args: &ServeArgs, model: &str, outcomes: &[Outcome], duration: f64) -> Value {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
+    let mut errors: Vec<&str> = outcomes.iter().filter_map(|o| o.error.as_deref()).collect();
+    errors.sort_unstable();
+    errors.dedup();
+    let input_tokens: usize = ok.iter().filter_map(|o| o.prompt_tokens).sum();
+    let output_tokens: usize = ok.iter().map(|o| o.tokens()).sum();
+    let collect = |f: &dyn Fn(&Outcome) -> Vec<Duration>| -> Vec<f64> {
+        ms(&ok.iter().flat_map(|o| f(o)).collect::<Vec<_>>())
+    };
+    json!({
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "num_prompts": outcomes.len(),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "request_rate": if args.request_rate.is_finite() { json!(args.request_rate) } else { json!("inf") },
+        "max_concurrency": args.max_concurrency,
+        "completed": ok.len(),
+        "failed": outcomes.len() - ok.len(),
+        "errors": errors.iter().take(5).collect::<Vec<_>>(),
+        "usage_reported": ok.iter().all(|o| o.output_tokens.is_some()),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": ok.len() as f64 / duration,
+        "output_throughput": output_tokens as f64 / duration,
+        "total_token_throughput": (input_tokens + output_tokens) as f64 / duration,
+        "ttft_ms": stats(&collect(&|o| o.ttft.into_iter().collect())),
+        "tpot_ms": stats(&collect(&|o| o.tpot().into_iter().collect())),
+        "itl_ms": stats(&collect(&|o| o.itl.clone())),
+        "e2el_ms": stats(&collect(&|o| vec![o.e2el])),
+    })
+}
+
+fn print_report(r: &Value) {
+    let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+    println!(
+        "{} at {}: {} of {} requests completed, {} failed, in {:.2} s",
+        r["model"].as_str().unwrap_or(""),
+        r["base_url"].as_str().unwrap_or(""),
+        r["completed"],
+        r["num_prompts"],
+        r["failed"],
+        f("duration_s")
+    );
+    for e in r["errors"].as_array().into_iter().flatten() {
+        println!("  error: {}", e.as_str().unwrap_or(""));
+    }
+    if r["usage_reported"] == false {
+        println!("  (the server reported no usage: output tokens counted as text chunks)");
+    }
+    println!(
+        "  {} input and {} output tokens; {:.2} requests/s, {:.1} output tok/s, {:.1} total tok/s",
+        r["total_input_tokens"],
+        r["total_output_tokens"],
+        f("request_throughput"),
+        f("output_throughput"),
+        f("total_token_throughput")
+    );
+    println!(
+        "  {:<10} {:>10} {:>10} {:>10} {:>10}",
+        "ms", "mean", "median", "p90", "p99"
+    );
+    for (name, key) in [
+        ("TTFT", "ttft_ms"),
+        ("TPOT", "tpot_ms"),
+        ("ITL", "itl_ms"),
+        ("E2EL", "e2el_ms"),
+    ] {
+        let s = &r[key];
+        let g = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "  {name:<10} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+            g("mean"),
+            g("median"),
+            g("p90"),
+            g("p99")
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_events_end_at_a_blank_line_of_either_kind() {
+        assert_eq!(event_end(b"data: 1\n\ndata: 2\n\n"), Some(9));
+        assert_eq!(event_end(b"data: 1\r\n\r\ndata: 2"), Some(11));
+        assert_eq!(event_end(b"data: partial"), None);
+    }
+
+    #[test]
+    fn poisson_arrivals_average_the_rate() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let times = arrivals(&mut rng, 20_000, 50.0);
+        assert!(times.windows(2).all(|w| w[0] <= w[1]));
+        let mean_gap = times.last().unwrap().as_secs_f64() / 20_000.0;
+        assert!((mean_gap - 0.02).abs() < 0.001, "mean gap {mean_gap}");
+        let all_at_once = arrivals(&mut rng, 5, f64::INFINITY);
+        assert!(all_at_once.iter().all(|t| t.is_zero()));
+    }
+
+    #[test]
+    fn tpot_spreads_the_time_after_the_first_token() {
+        let o = Outcome {
+            output_tokens: Some(5),
+            ttft: Some(Duration::from_millis(100)),
+            e2el: Duration::from_millis(500),
+            ..Outcome::default()
+        };
+        assert_eq!(o.tpot(), Some(Duration::from_millis(100)));
+        let one = Outcome {
+            output_tokens: Some(1),
+            ..o
+        };
+        assert_eq!(one.tpot(), None);
+    }
+}
