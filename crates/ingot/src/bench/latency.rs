@@ -54,16 +54,16 @@ pub struct LatencyArgs {
 }
 
 /// One timed batch.
-struct Iteration {
-    ttft: Vec<Duration>,
-    e2e: Vec<Duration>,
+pub(crate) struct Iteration {
+    pub ttft: Vec<Duration>,
+    pub e2e: Vec<Duration>,
     /// Time from each request's first token to its last, over the tokens between.
-    tpot: Vec<Duration>,
-    prefill_tok_s: f64,
-    decode_tok_s: f64,
+    pub tpot: Vec<Duration>,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
     /// Share of the decode steps' time spent outside the model runner (scheduling,
     /// sampling, detokenization).
-    decode_host_share: f64,
+    pub decode_host_share: f64,
 }
 
 impl OnBackend for LatencyArgs {
@@ -73,24 +73,17 @@ impl OnBackend for LatencyArgs {
     }
 }
 
-fn batch<B: Backend>(
+/// Runs `prompts` together to `params.max_tokens` (EOS should be ignored) and times them
+/// from the engine's steps; request ids start at `base`.
+pub(crate) fn timed_batch<B: Backend>(
     engine: &mut Engine<B>,
-    args: &LatencyArgs,
-    rng: &mut StdRng,
-    vocab: u32,
+    prompts: Vec<Vec<u32>>,
+    params: &SamplingParams,
     base: u64,
 ) -> Result<Iteration> {
-    let (b, input, output) = (args.batch_size, args.input_len, args.output_len);
-    let params = SamplingParams {
-        ignore_eos: true,
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        seed: Some(0),
-        ..SamplingParams::greedy(output)
-    };
-    for i in 0..b {
-        let prompt = (0..input).map(|_| rng.random_range(0..vocab)).collect();
+    let b = prompts.len();
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    for (i, prompt) in prompts.into_iter().enumerate() {
         engine.add_request(base + i as u64, prompt, params.clone())?;
     }
     let start = Instant::now();
@@ -122,10 +115,10 @@ fn batch<B: Backend>(
     let tpot = ttft
         .iter()
         .zip(&last)
-        .map(|(&f, &l)| (l - f) / (output.max(2) - 1) as u32)
+        .map(|(&f, &l)| (l - f) / (params.max_tokens.max(2) - 1) as u32)
         .collect();
     Ok(Iteration {
-        prefill_tok_s: (b * input) as f64 / prefill_end.as_secs_f64(),
+        prefill_tok_s: prompt_tokens as f64 / prefill_end.as_secs_f64(),
         decode_tok_s: decode_tokens as f64 / decode_time.as_secs_f64().max(f64::MIN_POSITIVE),
         decode_host_share: 1.0
             - decode_execute.as_secs_f64() / decode_time.as_secs_f64().max(f64::MIN_POSITIVE),
@@ -149,18 +142,27 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
     let vocab = model.config.vocab_size as u32;
     let mut engine = Engine::new(backend, model, Arc::new(tokenizer), args.engine.config())?;
     let mut rng = StdRng::seed_from_u64(0);
+    let params = SamplingParams {
+        ignore_eos: true,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: Some(0),
+        ..SamplingParams::greedy(args.output_len)
+    };
     let mut timed = vec![];
     for i in 0..args.warmup + args.iters {
         if args.profile_ops && i == args.warmup {
             engine.backend().start_op_profile()?;
         }
-        let it = batch(
-            &mut engine,
-            &args,
-            &mut rng,
-            vocab,
-            (i * args.batch_size) as u64,
-        )?;
+        let prompts = (0..args.batch_size)
+            .map(|_| {
+                (0..args.input_len)
+                    .map(|_| rng.random_range(0..vocab))
+                    .collect()
+            })
+            .collect();
+        let it = timed_batch(&mut engine, prompts, &params, (i * args.batch_size) as u64)?;
         if i >= args.warmup {
             timed.push(it);
         }

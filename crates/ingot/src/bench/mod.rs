@@ -1,6 +1,6 @@
 //! `ingot bench`: measured performance of the engine, from its own timestamps.
 
-mod latency;
+pub(crate) mod latency;
 mod serve;
 mod throughput;
 
