@@ -300,6 +300,11 @@ impl<B: Backend> Engine<B> {
         self.scheduler.config.max_model_len
     }
 
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.scheduler.config.block_size
+    }
+
     pub fn last_step(&self) -> StepInfo {
         self.last_step
     }

@@ -4,6 +4,7 @@ mod bench;
 mod device;
 mod generate;
 mod serve;
+mod validate;
 
 use clap::{Parser, Subcommand};
 
@@ -29,6 +30,8 @@ enum Command {
     /// Measure the engine.
     #[command(subcommand)]
     Bench(bench::Command),
+    /// Run the validation suite against a model and write a report.
+    Validate(validate::Args),
 }
 
 fn main() {
@@ -42,6 +45,7 @@ fn main() {
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Validate(args) => validate::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

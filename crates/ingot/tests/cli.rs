@@ -279,3 +279,60 @@ fn benches_run_on_dummy_weights_from_a_config() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--range-ratio"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn validate_writes_a_report_with_every_test() {
+    let dir = std::env::temp_dir().join(format!("ingot-validate-{}", std::process::id()));
+    SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
+    let out = dir.join("report");
+    let run = ingot(&[
+        "validate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--quick",
+        "--max-model-len",
+        "256",
+        "--minutes",
+        "0.05",
+        "--clients",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    let sections = v["sections"].as_array().unwrap();
+    let numbers: Vec<u64> = sections
+        .iter()
+        .map(|s| s["number"].as_u64().unwrap())
+        .collect();
+    assert_eq!(numbers, (1..=8).collect::<Vec<_>>());
+    let status = |n: usize| sections[n - 1]["status"].as_str().unwrap().to_string();
+    // No transformers fixtures exist for a synthetic model.
+    assert_eq!(status(4), "SKIP", "{}", sections[3]);
+    // Exact on the CPU: batched equals alone, repeated runs equal, limits exact, no errors.
+    for n in [5, 6, 7, 8] {
+        assert_eq!(status(n), "PASS", "{}", sections[n - 1]);
+    }
+    for n in [1, 2, 3] {
+        assert_ne!(status(n), "FAIL", "{}", sections[n - 1]);
+        assert!(!sections[n - 1]["table"]["rows"]
+            .as_array()
+            .unwrap()
+            .is_empty());
+    }
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("## 7. token cap — PASS"), "{md}");
+    let on_disk: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(on_disk["sections"], v["sections"]);
+    for chart in v["charts"].as_array().unwrap() {
+        let svg = std::fs::read_to_string(out.join(chart.as_str().unwrap())).unwrap();
+        assert!(svg.starts_with("<svg"), "{chart}");
+    }
+    assert_eq!(v["charts"].as_array().unwrap().len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}

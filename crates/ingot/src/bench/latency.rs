@@ -151,6 +151,7 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         ..SamplingParams::greedy(args.output_len)
     };
     let mut timed = vec![];
+    let progress = super::progress(args.warmup + args.iters, "batches", args.format);
     for i in 0..args.warmup + args.iters {
         if args.profile_ops && i == args.warmup {
             engine.backend().start_op_profile()?;
@@ -166,7 +167,9 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         if i >= args.warmup {
             timed.push(it);
         }
+        progress.inc(1);
     }
+    progress.finish_and_clear();
     let all = |f: fn(&Iteration) -> &Vec<Duration>| -> Vec<f64> {
         timed.iter().flat_map(|it| ms(f(it))).collect()
     };

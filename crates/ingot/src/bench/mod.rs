@@ -1,10 +1,12 @@
 //! `ingot bench`: measured performance of the engine, from its own timestamps.
 
 pub(crate) mod latency;
-mod serve;
+pub(crate) mod serve;
 mod throughput;
 
+use crate::generate::Format;
 use anyhow::Result;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::Rng;
 use serde_json::json;
@@ -36,6 +38,20 @@ fn length(rng: &mut StdRng, len: usize, ratio: f64) -> usize {
     rng.random_range(lo..=hi)
 }
 
+/// A progress bar on stderr counting `len` `unit`s; hidden with `--format json` (and by
+/// indicatif when stderr is not a terminal).
+pub(crate) fn progress(len: usize, unit: &str, format: Format) -> ProgressBar {
+    if matches!(format, Format::Json) {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
+    let template = format!("{{bar:40}} {{pos}}/{{len}} {unit} {{elapsed_precise}} {{msg}}");
+    if let Ok(style) = ProgressStyle::with_template(&template) {
+        bar.set_style(style);
+    }
+    bar
+}
+
 fn percentile(values: &[f64], p: f64) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
@@ -55,7 +71,7 @@ fn summary(values: &[f64]) -> serde_json::Value {
     })
 }
 
-fn ms(d: &[Duration]) -> Vec<f64> {
+pub(crate) fn ms(d: &[Duration]) -> Vec<f64> {
     d.iter().map(|d| d.as_secs_f64() * 1e3).collect()
 }
 

@@ -10,7 +10,7 @@ use super::{ms, percentile};
 use crate::generate::Format;
 use anyhow::{bail, ensure, Context, Result};
 use futures_util::StreamExt;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use ingot_model::{Checkpoint, Tokenizer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -79,23 +79,23 @@ struct Request {
 
 /// What one request measured.
 #[derive(Default)]
-struct Outcome {
-    error: Option<String>,
-    prompt_tokens: Option<usize>,
-    output_tokens: Option<usize>,
-    text_chunks: usize,
-    ttft: Option<Duration>,
-    itl: Vec<Duration>,
-    e2el: Duration,
+pub(crate) struct Outcome {
+    pub error: Option<String>,
+    pub prompt_tokens: Option<usize>,
+    pub output_tokens: Option<usize>,
+    pub text_chunks: usize,
+    pub ttft: Option<Duration>,
+    pub itl: Vec<Duration>,
+    pub e2el: Duration,
 }
 
 impl Outcome {
     /// Output tokens as the server counted them, else the chunks that carried text.
-    fn tokens(&self) -> usize {
+    pub fn tokens(&self) -> usize {
         self.output_tokens.unwrap_or(self.text_chunks)
     }
 
-    fn tpot(&self) -> Option<Duration> {
+    pub fn tpot(&self) -> Option<Duration> {
         let ttft = self.ttft?;
         let n = self.tokens();
         (n > 1).then(|| (self.e2el - ttft) / (n as u32 - 1))
@@ -127,13 +127,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     );
     let tokenizer = Tokenizer::from_checkpoint(&Checkpoint::open(&args.tokenizer)?)
         .with_context(|| format!("loading the tokenizer of {}", args.tokenizer.display()))?;
+    let pool = round_trip_ids(&tokenizer)?;
     let mut rng = StdRng::seed_from_u64(args.seed);
     let requests = (0..args.num_prompts)
         .map(|_| {
             let input = super::length(&mut rng, args.input_len, args.range_ratio);
             let output = super::length(&mut rng, args.output_len, args.range_ratio);
             Ok(Request {
-                prompt: random_prompt(&tokenizer, &mut rng, input)?,
+                prompt: random_prompt(&tokenizer, &pool, &mut rng, input)?,
                 max_tokens: output,
             })
         })
@@ -145,11 +146,35 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .block_on(bench(args, requests, delays))
 }
 
-/// Text of exactly `len` tokens when re-encoded, where the tokenizer allows: random ids are
-/// decoded (special tokens dropped), re-encoded, and cut or topped up until the count holds.
-fn random_prompt(tokenizer: &Tokenizer, rng: &mut StdRng, len: usize) -> Result<String> {
-    let vocab = tokenizer.vocab_size() as u32;
-    let mut ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+/// Token ids that decode to text which encodes back to the same single id: prompts drawn
+/// from them keep their length through the text round trip far more often (an id such as
+/// `<unk>` or a byte fragment decodes to text of several other tokens).
+pub(crate) fn round_trip_ids(tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let mut ids = vec![];
+    for id in 0..tokenizer.vocab_size() as u32 {
+        let text = tokenizer.decode(&[id], true)?;
+        if !text.trim().is_empty() && tokenizer.encode(&text, false)? == [id] {
+            ids.push(id);
+        }
+    }
+    ensure!(
+        !ids.is_empty(),
+        "no token of the tokenizer survives decoding and encoding alone"
+    );
+    Ok(ids)
+}
+
+/// Text of `len` tokens when re-encoded, where the tokenizer allows: ids drawn from `pool`
+/// are decoded, re-encoded, and cut or topped up until the count holds. Where it never
+/// does (merges across the joins), the last text is kept; the server's usage counts it.
+pub(crate) fn random_prompt(
+    tokenizer: &Tokenizer,
+    pool: &[u32],
+    rng: &mut StdRng,
+    len: usize,
+) -> Result<String> {
+    let mut draw = |rng: &mut StdRng| pool[rng.random_range(0..pool.len())];
+    let mut ids: Vec<u32> = (0..len).map(|_| draw(rng)).collect();
     let mut text = String::new();
     for _ in 0..16 {
         text = tokenizer.decode(&ids, true)?;
@@ -160,7 +185,7 @@ fn random_prompt(tokenizer: &Tokenizer, rng: &mut StdRng, len: usize) -> Result<
         ids = encoded;
         ids.truncate(len);
         while ids.len() < len {
-            ids.push(rng.random_range(0..vocab));
+            ids.push(draw(rng));
         }
     }
     Ok(text)
@@ -179,52 +204,52 @@ fn arrivals(rng: &mut StdRng, n: usize, rate: f64) -> Vec<Duration> {
         .collect()
 }
 
-async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -> Result<()> {
-    let base = args.base_url.trim_end_matches('/').to_string();
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs_f64(args.request_timeout))
-        .build()?;
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => first_model(&client, &base, args.api_key.as_deref()).await?,
-    };
-    let progress = if matches!(args.format, Format::Json) {
-        ProgressBar::hidden()
+/// The body of one streaming request.
+pub(crate) fn request_body(
+    model: &str,
+    prompt: &str,
+    max_tokens: usize,
+    temperature: f32,
+    chat: bool,
+) -> Value {
+    let mut body = json!({
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if chat {
+        body["messages"] = json!([{"role": "user", "content": prompt}]);
     } else {
-        let bar = ProgressBar::with_draw_target(
-            Some(requests.len() as u64),
-            ProgressDrawTarget::stderr(),
-        );
-        bar.set_style(ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} requests {elapsed_precise}",
-        )?);
-        bar
-    };
+        body["prompt"] = json!(prompt);
+    }
+    body
+}
+
+/// Sends `bodies` to `url`, each at its delay from the start and at most `max_concurrency`
+/// in flight, and returns what each measured, in order.
+pub(crate) async fn load(
+    client: &reqwest::Client,
+    url: &str,
+    api_key: Option<&str>,
+    bodies: Vec<Value>,
+    delays: Vec<Duration>,
+    max_concurrency: Option<usize>,
+    progress: &ProgressBar,
+) -> Result<Vec<Outcome>> {
     let limit = Arc::new(Semaphore::new(
-        args.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
+        max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
     ));
-    let chat = args.endpoint.contains("chat");
-    let url = format!("{base}{}", args.endpoint);
     let start = Instant::now();
-    let mut tasks = Vec::with_capacity(requests.len());
-    for (req, delay) in requests.iter().zip(delays) {
+    let mut tasks = Vec::with_capacity(bodies.len());
+    for (body, delay) in bodies.into_iter().zip(delays) {
         tokio::time::sleep_until((start + delay).into()).await;
         let permit = limit.clone().acquire_owned().await?;
-        let mut body = json!({
-            "model": model,
-            "max_tokens": req.max_tokens,
-            "temperature": args.temperature,
-            "ignore_eos": true,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        if chat {
-            body["messages"] = json!([{"role": "user", "content": req.prompt}]);
-        } else {
-            body["prompt"] = json!(req.prompt);
-        }
-        let mut post = client.post(&url).json(&body);
-        if let Some(key) = &args.api_key {
+        let chat = body.get("messages").is_some();
+        let mut post = client.post(url).json(&body);
+        if let Some(key) = api_key {
             post = post.bearer_auth(key);
         }
         let progress = progress.clone();
@@ -239,6 +264,39 @@ async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -
     for t in tasks {
         outcomes.push(t.await?);
     }
+    Ok(outcomes)
+}
+
+async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -> Result<()> {
+    let base = args.base_url.trim_end_matches('/').to_string();
+    // A fresh connection per request: a pooled keep-alive connection that the server
+    // closes just as a request goes out fails that request (seen with llama-server).
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs_f64(args.request_timeout))
+        .pool_max_idle_per_host(0)
+        .build()?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &base, args.api_key.as_deref()).await?,
+    };
+    let progress = super::progress(requests.len(), "requests", args.format);
+    let chat = args.endpoint.contains("chat");
+    let bodies = requests
+        .iter()
+        .map(|r| request_body(&model, &r.prompt, r.max_tokens, args.temperature, chat))
+        .collect();
+    let url = format!("{base}{}", args.endpoint);
+    let start = Instant::now();
+    let outcomes = load(
+        &client,
+        &url,
+        args.api_key.as_deref(),
+        bodies,
+        delays,
+        args.max_concurrency,
+        &progress,
+    )
+    .await?;
     let duration = start.elapsed().as_secs_f64();
     progress.finish_and_clear();
     let report = report(&args, &model, &outcomes, duration);
@@ -370,7 +428,7 @@ fn event_end(buf: &[u8]) -> Option<usize> {
 }
 
 /// Mean, median, p90 and p99 in ms; null when nothing was measured.
-fn stats(values: &[f64]) -> Value {
+pub(crate) fn stats(values: &[f64]) -> Value {
     if values.is_empty() {
         return Value::Null;
     }

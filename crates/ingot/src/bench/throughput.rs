@@ -96,17 +96,34 @@ fn throughput<B: Backend>(args: ThroughputArgs, backend: B) -> Result<()> {
         let (prompts, params) = requests(&args, &mut rng, vocab, args.warmup);
         engine.generate(prompts, &params)?;
     }
+    // `generate` numbers its requests from 2^63 up, so the timed ones can be 0..n.
     let (prompts, params) = requests(&args, &mut rng, vocab, args.num_prompts);
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let progress = super::progress(args.num_prompts, "requests", args.format);
+    let n = prompts.len();
+    for (i, (prompt, p)) in prompts.into_iter().zip(params).enumerate() {
+        engine.add_request(i as u64, prompt, p)?;
+    }
     let start = Instant::now();
-    let outputs = engine.generate(prompts, &params)?;
+    let (mut ttft, mut e2e) = (vec![None; n], vec![Duration::ZERO; n]);
+    let mut output_tokens = 0;
+    while engine.has_work() {
+        for d in engine.step()? {
+            let i = d.request_id as usize;
+            ttft[i].get_or_insert(start.elapsed());
+            output_tokens += d.token_ids.len();
+            if d.finish_reason.is_some() {
+                e2e[i] = start.elapsed();
+                progress.inc(1);
+            }
+        }
+    }
     let elapsed = start.elapsed().as_secs_f64();
-    let output_tokens: usize = outputs
-        .iter()
-        .map(|o| o.completions[0].token_ids.len())
-        .sum();
-    let ttft: Vec<Duration> = outputs.iter().map(|o| o.time_to_first_token).collect();
-    let e2e: Vec<Duration> = outputs.iter().map(|o| o.time_to_finish).collect();
+    progress.finish_and_clear();
+    let ttft: Vec<Duration> = ttft
+        .into_iter()
+        .map(|t| t.expect("every request produced a token"))
+        .collect();
     let report = json!({
         "device": device,
         "model": args.model.model,

@@ -225,8 +225,14 @@ mod tests {
 
     #[test]
     fn the_worst_verdict_wins_and_reaches_the_report() {
-        assert_eq!(worst([Status::Pass, Status::Warn, Status::Skip]), Status::Warn);
-        assert_eq!(worst([Status::Pass, Status::Fail, Status::Warn]), Status::Fail);
+        assert_eq!(
+            worst([Status::Pass, Status::Warn, Status::Skip]),
+            Status::Warn
+        );
+        assert_eq!(
+            worst([Status::Pass, Status::Fail, Status::Warn]),
+            Status::Fail
+        );
         let s = Section {
             number: 5,
             title: "batch edge cases",
