@@ -173,7 +173,7 @@ pub(crate) fn random_prompt(
     rng: &mut StdRng,
     len: usize,
 ) -> Result<String> {
-    let mut draw = |rng: &mut StdRng| pool[rng.random_range(0..pool.len())];
+    let draw = |rng: &mut StdRng| pool[rng.random_range(0..pool.len())];
     let mut ids: Vec<u32> = (0..len).map(|_| draw(rng)).collect();
     let mut text = String::new();
     for _ in 0..16 {
