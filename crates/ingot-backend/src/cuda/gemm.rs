@@ -1,7 +1,9 @@
 //! Matrix products through cuBLASLt: `out = x · wᵀ (+ bias)` with row-major `x` `[m, k]`,
 //! `w` `[n, k]` and `out` rows `ld` apart, f32 accumulation. In cuBLAS's column-major
 //! terms that is `outᵀ (n × m) = wᵀᵀ · xᵀ`: A = w transposed, B = x. Descriptors and the
-//! heuristic's algorithm are made once per shape and kept.
+//! algorithm are chosen once per shape and kept. For skinny products (decode steps) the
+//! heuristic's first choice is often not the fastest, so the first eager call of such a
+//! shape times the heuristic's candidates on the real operands and keeps the fastest.
 
 use crate::DType;
 use anyhow::{anyhow, Result};
@@ -39,12 +41,21 @@ pub struct Shape {
     pub align: usize,
 }
 
+/// Products of up to this many rows are timed over the heuristic's candidates; larger
+/// ones (prefill, any chunk size) keep its first choice, which suits them and costs no
+/// timing per new size.
+const TUNE_MAX_ROWS: usize = 128;
+/// Candidates asked of the heuristic for a tuned shape.
+const TUNE_CANDIDATES: usize = 8;
+
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     c: sys::cublasLtMatrixLayout_t,
     algo: cublasLtMatmulAlgo_t,
+    /// The heuristic's candidates in its order, until they have been timed.
+    untimed: Vec<cublasLtMatmulAlgo_t>,
 }
 
 impl Drop for Plan {
@@ -92,12 +103,12 @@ impl Gemm {
 
     /// A plan for `shape`, or `None` when cuBLASLt has no algorithm for it (a bias
     /// epilogue on some types); the caller then adds the bias itself.
-    fn plan(&mut self, s: Shape) -> Result<Option<&Plan>> {
+    fn plan(&mut self, s: Shape) -> Result<Option<&mut Plan>> {
         if !self.plans.contains_key(&s) {
             let plan = self.make_plan(s)?;
             self.plans.insert(s, plan);
         }
-        Ok(self.plans[&s].as_ref())
+        Ok(self.plans.get_mut(&s).and_then(Option::as_mut))
     }
 
     fn make_plan(&self, s: Shape) -> Result<Option<Plan>> {
@@ -120,6 +131,7 @@ impl Gemm {
                 )
                 .map_err(err("layout"))?,
                 algo: std::mem::zeroed(),
+                untimed: vec![],
             };
             set_desc(desc, Desc::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
             set_desc(desc, Desc::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
@@ -164,7 +176,15 @@ impl Gemm {
                 Ok(())
             })
             .map(|_| {
-                result::get_matmul_algo_heuristic(
+                let wanted = if s.m <= TUNE_MAX_ROWS {
+                    TUNE_CANDIDATES
+                } else {
+                    1
+                };
+                let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+                    vec![std::mem::zeroed(); wanted];
+                let mut count = 0;
+                let status = sys::cublasLtMatmulAlgoGetHeuristic(
                     self.handle,
                     desc,
                     plan.a,
@@ -172,18 +192,96 @@ impl Gemm {
                     plan.c,
                     plan.c,
                     pref,
-                )
+                    wanted as i32,
+                    found.as_mut_ptr(),
+                    &mut count,
+                );
+                found.truncate(count.max(0) as usize);
+                found.retain(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
+                (status, found)
             });
             let _ = result::destroy_matmul_pref(pref);
-            match found? {
-                Ok(h) => {
-                    plan.algo = h.algo;
+            let (status, found) = found?;
+            match found.first() {
+                Some(best) if status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => {
+                    plan.algo = best.algo;
+                    if found.len() > 1 {
+                        plan.untimed = found.iter().map(|h| h.algo).collect();
+                    }
                     Ok(Some(plan))
                 }
-                Err(_) if s.bias => Ok(None),
-                Err(e) => Err(anyhow!("cuBLASLt has no algorithm for {s:?}: {e:?}")),
+                _ if s.bias => Ok(None),
+                _ => Err(anyhow!("cuBLASLt has no algorithm for {s:?}: {status:?}")),
             }
         }
+    }
+
+    /// Times each untimed candidate of `plan` on these operands (a few runs each, between
+    /// two events) and keeps the fastest. Skipped while `stream` is being captured into a
+    /// graph, where nothing may wait for the device; a later eager call does it.
+    ///
+    /// # Safety
+    /// As for [`Gemm::matmul`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tune(
+        handle: sys::cublasLtHandle_t,
+        plan: &mut Plan,
+        (x, w, out): (u64, u64, u64),
+        (workspace, workspace_bytes): (u64, usize),
+        stream: sys::cudaStream_t,
+    ) -> Result<()> {
+        use cudarc::driver::result::{event, stream as cu_stream};
+        use cudarc::driver::sys::{CUevent_flags, CUstream, CUstreamCaptureStatus};
+        if plan.untimed.is_empty() {
+            return Ok(());
+        }
+        let cu = stream as CUstream;
+        if cu_stream::is_capturing(cu)? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Ok(());
+        }
+        let (alpha, beta) = (1f32, 0f32);
+        let run = |algo: &cublasLtMatmulAlgo_t| {
+            result::matmul(
+                handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w as *const c_void,
+                plan.a,
+                x as *const c_void,
+                plan.b,
+                out as *const c_void,
+                plan.c,
+                out as *mut c_void,
+                plan.c,
+                algo,
+                workspace as *mut c_void,
+                workspace_bytes,
+                stream,
+            )
+        };
+        let start = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
+        let end = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
+        let mut best = (f32::INFINITY, plan.algo);
+        for algo in &plan.untimed {
+            // A candidate that fails to launch is passed over.
+            if run(algo).is_err() || run(algo).is_err() {
+                continue;
+            }
+            event::record(start, cu)?;
+            let ok = (0..5).all(|_| run(algo).is_ok());
+            event::record(end, cu)?;
+            event::synchronize(end)?;
+            let ms = event::elapsed(start, end)?;
+            if ok && ms < best.0 {
+                best = (ms, *algo);
+            }
+        }
+        let _ = event::destroy(start);
+        let _ = event::destroy(end);
+        plan.algo = best.1;
+        plan.untimed.clear();
+        Ok(())
     }
 
     /// Enqueues the product on `stream`. Returns `false` when the bias was not applied
@@ -216,6 +314,13 @@ impl Gemm {
         if let Some(b) = bias {
             set_desc(plan.desc, Desc::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b)?;
         }
+        Self::tune(
+            handle,
+            plan,
+            (x, w, out),
+            (workspace, workspace_bytes),
+            stream,
+        )?;
         let (alpha, beta) = (1f32, 0f32);
         result::matmul(
             handle,
