@@ -3,22 +3,23 @@
 //! f32 weights go to the `gemm` crate, whose result for a row does not depend on how many
 //! rows are multiplied (checked in the op tests), so f32 runs are batch-invariant.
 //! Other weights, few rows (decode): each weight row is read once and dotted with every
-//! activation row, on integers where the weight type allows ([`crate::quant::vec_dot`]);
-//! parallel over weight rows. Many rows (prefill): weight rows are dequantized a tile at a
+//! activation row, four at a time, on integers where the weight type allows
+//! ([`crate::quant::dot_rows_multi`]); parallel over weight rows. Many rows (prefill): weight rows are dequantized a tile at a
 //! time into f32 and multiplied with `gemm`, parallel over tiles; the tile stays in cache
 //! while all activation rows pass over it.
 
 use super::SendPtr;
-use crate::quant::{self, Q8Block, Q8_BLOCK};
+use crate::quant::{self, Q8Block, MULTI_ROWS, Q8_BLOCK};
 use crate::DType;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
-/// Up to this many activation rows take the dot-product path. Its cost grows with the rows;
-/// the GEMM path pays a dequantization of the whole weight per call, then little per row.
-/// Measured with `ingot bench latency` (SmolLM2 Q4_1, 2-core EPYC, decode tok/s, dot vs
-/// GEMM): 16 rows 150 vs 82, 32 rows 125 vs 124, 64 rows 145 vs 184.
-pub const GEMV_MAX_ROWS: usize = 32;
+/// Up to this many activation rows take the dot-product path. Its cost grows with the rows
+/// (each weight block is decoded once per 4 rows); the GEMM path pays a dequantization of
+/// the whole weight per call, then little per row. Measured with `ingot bench latency`
+/// (SmolLM2 Q4_1, 2-core EPYC, decode tok/s, dot vs GEMM): 48 rows 181 vs 137, 64 rows 208
+/// vs 149; prefill chunks of a few hundred rows are faster through the GEMM.
+pub const GEMV_MAX_ROWS: usize = 64;
 /// Weight rows per parallel task in the dot-product path.
 const GEMV_CHUNK: usize = 32;
 /// Weight rows dequantized per tile in the GEMM path.
@@ -116,16 +117,20 @@ pub unsafe fn matmul(
                 let j0 = c * GEMV_CHUNK;
                 let rows = GEMV_CHUNK.min(n - j0);
                 let w = &wb[j0 * row_bytes..(j0 + rows) * row_bytes];
-                let mut buf = [0f32; GEMV_CHUNK];
-                for i in 0..m {
+                let mut buf = [0f32; GEMV_CHUNK * MULTI_ROWS];
+                for i in (0..m).step_by(MULTI_ROWS) {
+                    let g = MULTI_ROWS.min(m - i);
                     let xqi = if xq.is_empty() {
                         &[][..]
                     } else {
-                        &xq[i * nb..(i + 1) * nb]
+                        &xq[i * nb..(i + g) * nb]
                     };
-                    quant::dot_rows(dtype, w, xqi, &x[i * k..(i + 1) * k], &mut buf[..rows]);
-                    for (r, &v) in buf[..rows].iter().enumerate() {
-                        dst.write(i, j0 + r, v);
+                    let xi = &x[i * k..(i + g) * k];
+                    quant::dot_rows_multi(dtype, w, xqi, xi, g, rows, &mut buf[..g * rows]);
+                    for r in 0..g {
+                        for (jj, &v) in buf[r * rows..(r + 1) * rows].iter().enumerate() {
+                            dst.write(i + r, j0 + jj, v);
+                        }
                     }
                 }
             });

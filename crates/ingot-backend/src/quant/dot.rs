@@ -1,4 +1,4 @@
-//! Dot products of one weight row with one activation row.
+//! Dot products of weight rows with one activation row, or with a few at once.
 //!
 //! For Q8_0/Q4_0/Q4_1 weights the activation row is quantized once per matmul into 8-bit
 //! blocks ([`Q8Block`]) and the dot product runs on integers (AVX2 `maddubs`/`madd`), as
@@ -85,6 +85,68 @@ pub fn dot_rows(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32], out: &mut [f
             DType::Q4_1 => dot_q4_scalar(row, xq, true),
             _ => dot_dequantized(dtype, row, xf),
         };
+    }
+}
+
+/// Activation rows one [`dot_rows_multi`] call takes at most.
+pub const MULTI_ROWS: usize = 4;
+
+/// Dot products of `n` consecutive weight rows with `rows` (≤ [`MULTI_ROWS`]) activation
+/// rows: `out[r * n + j]` = weight row `j` · activation row `r`. Activations come as f32
+/// (`xf`, `rows` × k) and, for integer types, as Q8 blocks (`xq`, `rows` × k/32). The
+/// integer kernels decode each weight block once for all the rows (decode batches pay the
+/// nibble unpacking once instead of once per sequence), in the same order of operations as
+/// [`dot_rows`], so every result is bitwise the one a row gets alone.
+pub fn dot_rows_multi(
+    dtype: DType,
+    w: &[u8],
+    xq: &[Q8Block],
+    xf: &[f32],
+    rows: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    assert!((1..=MULTI_ROWS).contains(&rows) && out.len() >= rows * n);
+    let k = xf.len() / rows;
+    let nb = k / Q8_BLOCK;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && uses_q8_activations(dtype) {
+        let row_bytes = dtype.bytes_for(k);
+        assert!(w.len() >= n * row_bytes && xq.len() >= rows * nb);
+        // SAFETY: the CPU supports the features the kernels were compiled for; the sizes
+        // were checked above.
+        unsafe {
+            macro_rules! by_rows {
+                ($f:ident $(, $arg:expr)*) => {
+                    match rows {
+                        1 => avx2::$f::<1>(w, row_bytes, xq, nb, $($arg,)* n, out),
+                        2 => avx2::$f::<2>(w, row_bytes, xq, nb, $($arg,)* n, out),
+                        3 => avx2::$f::<3>(w, row_bytes, xq, nb, $($arg,)* n, out),
+                        _ => avx2::$f::<4>(w, row_bytes, xq, nb, $($arg,)* n, out),
+                    }
+                };
+            }
+            match dtype {
+                DType::Q8_0 => by_rows!(rows_q8_0_multi),
+                DType::Q4_0 => by_rows!(rows_q4_multi, false),
+                _ => by_rows!(rows_q4_multi, true),
+            }
+        }
+        return;
+    }
+    for r in 0..rows {
+        let xqr = if uses_q8_activations(dtype) {
+            &xq[r * nb..(r + 1) * nb]
+        } else {
+            &[][..]
+        };
+        dot_rows(
+            dtype,
+            w,
+            xqr,
+            &xf[r * k..(r + 1) * k],
+            &mut out[r * n..(r + 1) * n],
+        );
     }
 }
 
@@ -315,6 +377,130 @@ mod avx2 {
             *o = q4_row(w.as_ptr().add(j * row_bytes), bb, xq, has_min);
         }
     }
+
+    /// [`q8_0_block`] for `R` activation rows (block `blk` of each), the weight block
+    /// decoded once.
+    #[inline(always)]
+    unsafe fn q8_0_block_multi<const R: usize>(
+        b: *const u8,
+        xq: &[Q8Block],
+        nb: usize,
+        blk: usize,
+        acc: &mut [__m256; R],
+    ) {
+        let wq = _mm256_loadu_si256(b.add(2) as *const __m256i);
+        let wabs = _mm256_sign_epi8(wq, wq);
+        let d = f16_one(b);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let x = xq.get_unchecked(r * nb + blk);
+            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
+            let p = mul_sum_us8(wabs, _mm256_sign_epi8(xv, wq));
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), p, *acc);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rows_q8_0_multi<const R: usize>(
+        w: &[u8],
+        row_bytes: usize,
+        xq: &[Q8Block],
+        nb: usize,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        for j in 0..n {
+            let wj = w.as_ptr().add(j * row_bytes);
+            let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+            let pairs = nb / 2;
+            for i in 0..pairs {
+                q8_0_block_multi(wj.add(68 * i), xq, nb, 2 * i, &mut a0);
+                q8_0_block_multi(wj.add(68 * i + 34), xq, nb, 2 * i + 1, &mut a1);
+            }
+            if nb % 2 == 1 {
+                q8_0_block_multi(wj.add(68 * pairs), xq, nb, 2 * pairs, &mut a0);
+            }
+            for r in 0..R {
+                out[r * n + j] = hsum(_mm256_add_ps(a0[r], a1[r]));
+            }
+        }
+    }
+
+    /// [`q4_block`] for `R` activation rows (block `blk` of each), the nibbles unpacked
+    /// once; adds each row's offset term to `off`.
+    #[inline(always)]
+    unsafe fn q4_block_multi<const R: usize>(
+        b: *const u8,
+        xq: &[Q8Block],
+        nb: usize,
+        blk: usize,
+        has_min: bool,
+        acc: &mut [__m256; R],
+        off: &mut [f32; R],
+    ) {
+        let (d, m, qs) = if has_min {
+            let (d, m) = f16_pair(b);
+            (d, m, b.add(4))
+        } else {
+            let d = f16_one(b);
+            (d, -8.0 * d, b.add(2))
+        };
+        let q = _mm_loadu_si128(qs as *const __m128i);
+        let q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
+            _mm256_set1_epi8(0x0F),
+        );
+        for r in 0..R {
+            let x = xq.get_unchecked(r * nb + blk);
+            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), mul_sum_us8(q, xv), acc[r]);
+            off[r] += m * x.sum;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rows_q4_multi<const R: usize>(
+        w: &[u8],
+        row_bytes: usize,
+        xq: &[Q8Block],
+        nb: usize,
+        has_min: bool,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let bb = if has_min { 20 } else { 18 };
+        for j in 0..n {
+            let wj = w.as_ptr().add(j * row_bytes);
+            let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+            let (mut o0, mut o1) = ([0f32; R], [0f32; R]);
+            let pairs = nb / 2;
+            for i in 0..pairs {
+                q4_block_multi(wj.add(2 * bb * i), xq, nb, 2 * i, has_min, &mut a0, &mut o0);
+                q4_block_multi(
+                    wj.add(2 * bb * i + bb),
+                    xq,
+                    nb,
+                    2 * i + 1,
+                    has_min,
+                    &mut a1,
+                    &mut o1,
+                );
+            }
+            if nb % 2 == 1 {
+                q4_block_multi(
+                    wj.add(2 * bb * pairs),
+                    xq,
+                    nb,
+                    2 * pairs,
+                    has_min,
+                    &mut a0,
+                    &mut o0,
+                );
+            }
+            for r in 0..R {
+                out[r * n + j] = hsum(_mm256_add_ps(a0[r], a1[r])) + o0[r] + o1[r];
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -378,6 +564,45 @@ mod tests {
                     (portable as f64 - want).abs() <= 1e-5 * scale.max(1.0),
                     "{dtype} portable"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn multi_row_dots_equal_single_row_dots_bitwise() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q6K] {
+            for k in [dtype.block_len() * 3, dtype.block_len() * 4] {
+                let n = 7;
+                let w: Vec<u8> = (0..n)
+                    .flat_map(|_| random_row(dtype, k, &mut rng))
+                    .collect();
+                for rows in 1..=MULTI_ROWS {
+                    let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+                    let nb = k / Q8_BLOCK;
+                    let mut xq = vec![Q8Block::default(); rows * nb];
+                    for r in 0..rows {
+                        quantize_row_q8(&x[r * k..(r + 1) * k], &mut xq[r * nb..(r + 1) * nb]);
+                    }
+                    let mut multi = vec![0f32; rows * n];
+                    dot_rows_multi(dtype, &w, &xq, &x, rows, n, &mut multi);
+                    for r in 0..rows {
+                        let xqr = if uses_q8_activations(dtype) {
+                            &xq[r * nb..(r + 1) * nb]
+                        } else {
+                            &[][..]
+                        };
+                        let mut one = vec![0f32; n];
+                        dot_rows(dtype, &w, xqr, &x[r * k..(r + 1) * k], &mut one);
+                        for j in 0..n {
+                            assert_eq!(
+                                multi[r * n + j].to_bits(),
+                                one[j].to_bits(),
+                                "{dtype} k={k} rows={rows} r={r} j={j}"
+                            );
+                        }
+                    }
+                }
             }
         }
     }
