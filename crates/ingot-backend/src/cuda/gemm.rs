@@ -217,59 +217,32 @@ impl Gemm {
     }
 
     /// Times each untimed candidate of `plan` on these operands (a few runs each, between
-    /// two events) and keeps the fastest. Skipped while `stream` is being captured into a
+    /// two events) and keeps the fastest. Skipped while the stream is being captured into a
     /// graph, where nothing may wait for the device; a later eager call does it.
     ///
     /// # Safety
     /// As for [`Gemm::matmul`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tune(
-        handle: sys::cublasLtHandle_t,
-        plan: &mut Plan,
-        (x, w, out): (u64, u64, u64),
-        (workspace, workspace_bytes): (u64, usize),
-        stream: sys::cudaStream_t,
-    ) -> Result<()> {
+    unsafe fn tune(plan: &mut Plan, ops: &Operands) -> Result<()> {
         use cudarc::driver::result::{event, stream as cu_stream};
         use cudarc::driver::sys::{CUevent_flags, CUstream, CUstreamCaptureStatus};
         if plan.untimed.is_empty() {
             return Ok(());
         }
-        let cu = stream as CUstream;
+        let cu = ops.stream as CUstream;
         if cu_stream::is_capturing(cu)? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
             return Ok(());
         }
-        let (alpha, beta) = (1f32, 0f32);
-        let run = |algo: &cublasLtMatmulAlgo_t| {
-            result::matmul(
-                handle,
-                plan.desc,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                w as *const c_void,
-                plan.a,
-                x as *const c_void,
-                plan.b,
-                out as *const c_void,
-                plan.c,
-                out as *mut c_void,
-                plan.c,
-                algo,
-                workspace as *mut c_void,
-                workspace_bytes,
-                stream,
-            )
-        };
         let start = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
         let end = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
         let mut best = (f32::INFINITY, plan.algo);
         for algo in &plan.untimed {
+            let run = || ops.launch(plan, algo);
             // A candidate that fails to launch is passed over.
-            if run(algo).is_err() || run(algo).is_err() {
+            if run().is_err() || run().is_err() {
                 continue;
             }
             event::record(start, cu)?;
-            let ok = (0..5).all(|_| run(algo).is_ok());
+            let ok = (0..5).all(|_| run().is_ok());
             event::record(end, cu)?;
             event::synchronize(end)?;
             let ms = event::elapsed(start, end)?;
@@ -299,8 +272,15 @@ impl Gemm {
         out: u64,
         stream: sys::cudaStream_t,
     ) -> Result<bool> {
-        let (workspace, workspace_bytes, handle) =
-            (self.workspace, self.workspace_bytes, self.handle);
+        let ops = Operands {
+            handle: self.handle,
+            x,
+            w,
+            out,
+            workspace: self.workspace,
+            workspace_bytes: self.workspace_bytes,
+            stream,
+        };
         let plan = match self.plan(shape)? {
             Some(p) => p,
             None => {
@@ -314,34 +294,52 @@ impl Gemm {
         if let Some(b) = bias {
             set_desc(plan.desc, Desc::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b)?;
         }
-        Self::tune(
-            handle,
-            plan,
-            (x, w, out),
-            (workspace, workspace_bytes),
-            stream,
-        )?;
+        Self::tune(plan, &ops)?;
+        ops.launch(plan, &plan.algo).map_err(err("matmul"))?;
+        Ok(true)
+    }
+}
+
+/// One product's operands, workspace and stream: what a launch of any algorithm needs.
+struct Operands {
+    handle: sys::cublasLtHandle_t,
+    x: u64,
+    w: u64,
+    out: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: sys::cudaStream_t,
+}
+
+impl Operands {
+    /// Enqueues `out = x · wᵀ` with `plan`'s descriptors and `algo`.
+    ///
+    /// # Safety
+    /// As for [`Gemm::matmul`].
+    unsafe fn launch(
+        &self,
+        plan: &Plan,
+        algo: &cublasLtMatmulAlgo_t,
+    ) -> Result<(), result::CublasError> {
         let (alpha, beta) = (1f32, 0f32);
         result::matmul(
-            handle,
+            self.handle,
             plan.desc,
             (&alpha as *const f32).cast(),
             (&beta as *const f32).cast(),
-            w as *const c_void,
+            self.w as *const c_void,
             plan.a,
-            x as *const c_void,
+            self.x as *const c_void,
             plan.b,
-            out as *const c_void,
+            self.out as *const c_void,
             plan.c,
-            out as *mut c_void,
+            self.out as *mut c_void,
             plan.c,
-            &plan.algo,
-            workspace as *mut c_void,
-            workspace_bytes,
-            stream,
+            algo,
+            self.workspace as *mut c_void,
+            self.workspace_bytes,
+            self.stream,
         )
-        .map_err(err("matmul"))?;
-        Ok(true)
     }
 }
 
