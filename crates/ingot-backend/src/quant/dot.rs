@@ -70,9 +70,31 @@ pub fn dot_rows(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32], out: &mut [f
         // SAFETY: the CPU supports the features the kernels were compiled for.
         unsafe {
             match dtype {
-                DType::Q8_0 => return avx2::rows_q8_0(w, row_bytes, xq, out),
-                DType::Q4_0 => return avx2::rows_q4(w, row_bytes, xq, false, out),
-                DType::Q4_1 => return avx2::rows_q4(w, row_bytes, xq, true, out),
+                DType::Q8_0 => {
+                    return avx2::rows_q8_0_multi::<1>(w, row_bytes, xq, xq.len(), out.len(), out)
+                }
+                DType::Q4_0 => {
+                    return avx2::rows_q4_multi::<1>(
+                        w,
+                        row_bytes,
+                        xq,
+                        xq.len(),
+                        false,
+                        out.len(),
+                        out,
+                    )
+                }
+                DType::Q4_1 => {
+                    return avx2::rows_q4_multi::<1>(
+                        w,
+                        row_bytes,
+                        xq,
+                        xq.len(),
+                        true,
+                        out.len(),
+                        out,
+                    )
+                }
                 _ => {}
             }
         }
@@ -298,32 +320,10 @@ mod avx2 {
         )))
     }
 
+    /// A Q4_0/Q4_1 block's scale `d`, offset `m` (−8·d for Q4_0) and its 32 nibbles
+    /// unpacked to bytes.
     #[inline(always)]
-    unsafe fn q8_0_block(b: *const u8, x: &Q8Block, acc: __m256) -> __m256 {
-        let wq = _mm256_loadu_si256(b.add(2) as *const __m256i);
-        let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
-        // maddubs needs an unsigned operand: move w's sign onto x.
-        let p = mul_sum_us8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
-        _mm256_fmadd_ps(_mm256_set1_ps(f16_one(b) * x.d), p, acc)
-    }
-
-    #[inline(always)]
-    unsafe fn q8_0_row(w: *const u8, xq: &[Q8Block]) -> f32 {
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let pairs = xq.len() / 2;
-        for i in 0..pairs {
-            a0 = q8_0_block(w.add(68 * i), &xq[2 * i], a0);
-            a1 = q8_0_block(w.add(68 * i + 34), &xq[2 * i + 1], a1);
-        }
-        if xq.len() % 2 == 1 {
-            a0 = q8_0_block(w.add(68 * pairs), &xq[2 * pairs], a0);
-        }
-        hsum(_mm256_add_ps(a0, a1))
-    }
-
-    /// Adds one Q4_0/Q4_1 block's `d·Σq·x` to `acc`; returns the offset term `m·Σx`.
-    #[inline(always)]
-    unsafe fn q4_block(b: *const u8, x: &Q8Block, has_min: bool, acc: &mut __m256) -> f32 {
+    unsafe fn q4_decode(b: *const u8, has_min: bool) -> (f32, f32, __m256i) {
         let (d, m, qs) = if has_min {
             let (d, m) = f16_pair(b);
             (d, m, b.add(4))
@@ -337,49 +337,11 @@ mod avx2 {
             _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
             _mm256_set1_epi8(0x0F),
         );
-        let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
-        *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), mul_sum_us8(q, xv), *acc);
-        m * x.sum
+        (d, m, q)
     }
 
-    #[inline(always)]
-    unsafe fn q4_row(w: *const u8, bb: usize, xq: &[Q8Block], has_min: bool) -> f32 {
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let (mut o0, mut o1) = (0f32, 0f32);
-        let pairs = xq.len() / 2;
-        for i in 0..pairs {
-            o0 += q4_block(w.add(2 * bb * i), &xq[2 * i], has_min, &mut a0);
-            o1 += q4_block(w.add(2 * bb * i + bb), &xq[2 * i + 1], has_min, &mut a1);
-        }
-        if xq.len() % 2 == 1 {
-            o0 += q4_block(w.add(2 * bb * pairs), &xq[2 * pairs], has_min, &mut a0);
-        }
-        hsum(_mm256_add_ps(a0, a1)) + o0 + o1
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn rows_q8_0(w: &[u8], row_bytes: usize, xq: &[Q8Block], out: &mut [f32]) {
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = q8_0_row(w.as_ptr().add(j * row_bytes), xq);
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn rows_q4(
-        w: &[u8],
-        row_bytes: usize,
-        xq: &[Q8Block],
-        has_min: bool,
-        out: &mut [f32],
-    ) {
-        let bb = if has_min { 20 } else { 18 };
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = q4_row(w.as_ptr().add(j * row_bytes), bb, xq, has_min);
-        }
-    }
-
-    /// [`q8_0_block`] for `R` activation rows (block `blk` of each), the weight block
-    /// decoded once.
+    /// Adds one Q8_0 block's `d·Σw·x` for each of `R` activation rows (block `blk` of
+    /// each) to its accumulator, the weight block loaded once.
     #[inline(always)]
     unsafe fn q8_0_block_multi<const R: usize>(
         b: *const u8,
@@ -389,6 +351,7 @@ mod avx2 {
         acc: &mut [__m256; R],
     ) {
         let wq = _mm256_loadu_si256(b.add(2) as *const __m256i);
+        // maddubs needs an unsigned operand: move w's sign onto x.
         let wabs = _mm256_sign_epi8(wq, wq);
         let d = f16_one(b);
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -425,8 +388,9 @@ mod avx2 {
         }
     }
 
-    /// [`q4_block`] for `R` activation rows (block `blk` of each), the nibbles unpacked
-    /// once; adds each row's offset term to `off`.
+    /// Adds one Q4_0/Q4_1 block's `d·Σq·x` for each of `R` activation rows (block `blk`
+    /// of each) to its accumulator and the offset term `m·Σx` to its `off`, the nibbles
+    /// unpacked once.
     #[inline(always)]
     unsafe fn q4_block_multi<const R: usize>(
         b: *const u8,
@@ -437,18 +401,7 @@ mod avx2 {
         acc: &mut [__m256; R],
         off: &mut [f32; R],
     ) {
-        let (d, m, qs) = if has_min {
-            let (d, m) = f16_pair(b);
-            (d, m, b.add(4))
-        } else {
-            let d = f16_one(b);
-            (d, -8.0 * d, b.add(2))
-        };
-        let q = _mm_loadu_si128(qs as *const __m128i);
-        let q = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
-            _mm256_set1_epi8(0x0F),
-        );
+        let (d, m, q) = q4_decode(b, has_min);
         for r in 0..R {
             let x = xq.get_unchecked(r * nb + blk);
             let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
