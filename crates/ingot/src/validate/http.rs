@@ -33,25 +33,6 @@ impl Drop for Server {
     }
 }
 
-fn section(
-    criterion: String,
-    status: Status,
-    finding: String,
-    table: Table,
-    figures: Value,
-) -> Section {
-    Section {
-        number: 0,
-        title: "",
-        criterion,
-        status,
-        finding,
-        table,
-        figures,
-        seconds: 0.0,
-    }
-}
-
 impl Server {
     pub async fn start(engine: EngineHandle) -> Result<Server> {
         let state = AppState::new(ServerConfig {
@@ -148,7 +129,7 @@ impl Server {
         } else {
             Status::Fail
         };
-        Ok(section(
+        Ok(Section::new(
             format!("{} streaming HTTP clients, {} requests each of {input} prompt tokens → {output} tokens, half to /v1/completions and half to /v1/chat/completions: PASS when every request completes with all {output} tokens (usage), else FAIL.", plan.clients, plan.requests_per_client),
             status,
             format!("{} of {n} completed ({} failed, {short} short) in {elapsed:.1} s, {:.1} output tok/s; TTFT p50 {:.0} ms p99 {:.0} ms", ok.len(), failed.len(), tokens as f64 / elapsed, t["median"].as_f64().unwrap_or(f64::NAN), t["p99"].as_f64().unwrap_or(f64::NAN)),
@@ -225,7 +206,7 @@ impl Server {
             ]);
             figures.push(json!({"prompt": prompt, "max_tokens": max_tokens, "status": status, "tokens": tokens, "as_expected": good}));
         }
-        Ok(section(
+        Ok(Section::new(
             format!("max_model_len is {max_len}: a request whose prompt plus max_tokens fits runs to max_tokens (finish `length`); one that does not fit, or whose prompt alone fills the context, is a 400 whose message names the limit; nothing is truncated silently. PASS when all {} cases behave so, else FAIL.", cases.len()),
             if wrong == 0 { Status::Pass } else { Status::Fail },
             format!("{} of {} cases as expected", cases.len() - wrong, cases.len()),

@@ -96,7 +96,7 @@ fn section(
 ) -> Section {
     progress.set_message(format!("{number}. {title}"));
     let start = Instant::now();
-    let mut s = f().unwrap_or_else(|e| Section::failed(number, title, &e));
+    let mut s = f().unwrap_or_else(|e| Section::failed(&e));
     s.number = number;
     s.title = title;
     s.seconds = start.elapsed().as_secs_f64();

@@ -22,26 +22,6 @@ pub const NUMERICS: &str = "numerical correctness";
 pub const BATCH_EDGES: &str = "batch edge cases";
 pub const DETERMINISM: &str = "determinism";
 
-/// A section with its number and title filled in by the caller.
-fn new_section(
-    criterion: String,
-    status: Status,
-    finding: String,
-    table: Table,
-    figures: Value,
-) -> Section {
-    Section {
-        number: 0,
-        title: "",
-        criterion,
-        status,
-        finding,
-        table,
-        figures,
-        seconds: 0.0,
-    }
-}
-
 pub struct Tester<'a, B: Backend> {
     engine: &'a mut Engine<B>,
     plan: &'a Plan,
@@ -145,7 +125,7 @@ impl<'a, B: Backend> Tester<'a, B> {
             );
         }
         let largest = self.plan.batches.last().copied().unwrap_or(1);
-        Ok(new_section(
+        Ok(Section::new(
             format!("decode throughput at batch {largest} against batch 1, at every prompt length: PASS at ≥ 1.5×, WARN at ≥ 1×, FAIL below (batching must pay). Prefill is timed to the batch's last first token, decode over the steps that only decoded, {} tokens per request.", self.plan.decode_len),
             report::worst(verdicts),
             format!("decode at batch {largest} vs batch 1: {}", scaling.join(", ")),
@@ -206,7 +186,7 @@ impl<'a, B: Backend> Tester<'a, B> {
         if !skipped.is_empty() {
             finding.push_str(&format!("; skipped {}", skipped.join(", ")));
         }
-        Ok(new_section(
+        Ok(Section::new(
             "decode tok/s from context 512 up to max_model_len; the knee is the first context more than 20 % slower than the shortest. PASS without a knee, WARN with one (a property of the model and device to know, not an error); FAIL if a run fails.".into(),
             if knees.iter().any(|k| k.1.is_some()) { Status::Warn } else { Status::Pass },
             finding,
@@ -275,7 +255,7 @@ impl<'a, B: Backend> Tester<'a, B> {
             format!("end ({:.0} s)", start.elapsed().as_secs_f64()),
             mib(end_rss),
         ]);
-        Ok(new_section(
+        Ok(Section::new(
             "resident memory after the warm-up (the first fifth) against the end of the load, both taken with the engine idle: PASS at ≤ 2 % growth, WARN at ≤ 5 %, FAIL above or if any KV block is still held once every request has finished.".into(),
             status,
             format!("{requests} requests in {rounds} rounds over {:.1} min (random lengths, greedy and sampled, n 1 or 2): RSS {:+.2} % after warm-up, peak {peak_blocks} of {} KV blocks in use, {blocks_left} left at the end", start.elapsed().as_secs_f64() / 60.0, growth * 100.0, s.total_blocks),
@@ -338,7 +318,7 @@ impl<'a, B: Backend> Tester<'a, B> {
             figures.push(json!({"batch": b, "differ": diffs.len()}));
         }
         let total: usize = self.plan.edge_batches.iter().sum();
-        Ok(new_section(
+        Ok(Section::new(
             format!("every request of batches {:?} (mixed prompt lengths, single-token prompts included, greedy, {} tokens) gives the tokens it gives alone: FAIL on a difference where ingot promises batch invariance (f32 weights on the CPU, whose rows are computed the same whatever the batch); WARN otherwise (quantized weights take other kernels for few and many rows; GPU GEMMs pick kernels by batch size).", self.plan.edge_batches, self.plan.decode_len),
             report::equal_outputs(mismatches, self.exact),
             format!("{} of {total} batched requests equal their run alone", total - mismatches),
@@ -407,7 +387,7 @@ impl<'a, B: Backend> Tester<'a, B> {
         } else {
             report::equal_outputs(batch_mismatch, self.exact)
         };
-        Ok(new_section(
+        Ok(Section::new(
             format!("greedy and seeded sampling, each run {} times at batch 1 and batch {n} (32-token prompts, 32 tokens): FAIL if repeated runs differ; request 0 must also give the same tokens at batch {n} as alone (FAIL where ingot promises batch invariance, f32 on the CPU; WARN elsewhere).", self.plan.repeats),
             status,
             format!("{repeat_mismatch} repeated runs differed from the first; {batch_mismatch} of 2 batch-{n} runs differ from batch 1 on request 0"),
@@ -472,7 +452,7 @@ pub fn find_fixtures(explicit: Option<&Path>, model: &Path) -> Result<Option<Pat
 }
 
 pub fn no_fixtures(model: &Path) -> Section {
-    new_section(
+    Section::new(
         String::new(),
         Status::Skip,
         format!("no transformers fixtures for {} (looked for tests/fixtures/*/logits.json naming it; make them with tools/reference/make_fixtures.py and pass --fixtures)", model.display()),
@@ -537,7 +517,7 @@ pub fn numerics<B: Backend>(mut engine: Engine<B>, fixtures: &Path) -> Result<Se
         ]);
         figures.push(json!({"case": c.name, "prompt_tokens": c.prompt.len(), "equal_tokens": equal, "tokens": c.greedy.len()}));
     }
-    Ok(new_section(
+    Ok(Section::new(
         format!("greedy tokens of the model loaded at f32 (as the fixtures were made), each case alone, equal to HF transformers' from {}: PASS when every token of every case is equal, else FAIL.", fixtures.display()),
         if differ.is_empty() { Status::Pass } else { Status::Fail },
         if differ.is_empty() {

@@ -45,18 +45,36 @@ pub struct Section {
 }
 
 impl Section {
-    /// A section that could not run: the error is its finding.
-    pub fn failed(number: u8, title: &'static str, error: &anyhow::Error) -> Section {
+    /// A section's verdict and figures; its number, title and time are filled in by the
+    /// runner that times it.
+    pub fn new(
+        criterion: String,
+        status: Status,
+        finding: String,
+        table: Table,
+        figures: Value,
+    ) -> Section {
         Section {
-            number,
-            title,
-            criterion: String::new(),
-            status: Status::Fail,
-            finding: format!("did not complete: {error:#}"),
-            table: Table::default(),
-            figures: Value::Null,
+            number: 0,
+            title: "",
+            criterion,
+            status,
+            finding,
+            table,
+            figures,
             seconds: 0.0,
         }
+    }
+
+    /// A section that could not run: the error is its finding.
+    pub fn failed(error: &anyhow::Error) -> Section {
+        Section::new(
+            String::new(),
+            Status::Fail,
+            format!("did not complete: {error:#}"),
+            Table::default(),
+            Value::Null,
+        )
     }
 }
 
