@@ -5,7 +5,7 @@ pub(crate) mod serve;
 mod throughput;
 
 use crate::generate::Format;
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -28,6 +28,46 @@ pub fn run(cmd: Command) -> Result<()> {
         Command::Latency(args) => args.model.clone().on_backend(args),
         Command::Throughput(args) => args.model.clone().on_backend(args),
         Command::Serve(args) => serve::run(args),
+    }
+}
+
+/// The random requests of `bench throughput` and `bench serve`: how many, and how long.
+#[derive(clap::Args)]
+pub struct RandomDataset {
+    /// Requests in the run.
+    #[arg(long, default_value_t = 200)]
+    pub num_prompts: usize,
+    /// Prompt tokens per request (random token ids).
+    #[arg(long, default_value_t = 256)]
+    pub input_len: usize,
+    /// Tokens generated per request (EOS ignored).
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Lengths drawn uniformly from [len × (1 − r), len × (1 + r)]; 0 keeps them fixed.
+    #[arg(long, default_value_t = 0.0)]
+    pub range_ratio: f64,
+}
+
+impl RandomDataset {
+    pub fn check(&self) -> Result<()> {
+        ensure!(
+            self.num_prompts > 0 && self.input_len > 0 && self.output_len > 0,
+            "--num-prompts, --input-len and --output-len must be at least 1"
+        );
+        ensure!(
+            (0.0..1.0).contains(&self.range_ratio),
+            "--range-ratio must be in [0, 1), got {}",
+            self.range_ratio
+        );
+        Ok(())
+    }
+
+    /// One request's prompt and output lengths.
+    pub fn lengths(&self, rng: &mut StdRng) -> (usize, usize) {
+        (
+            length(rng, self.input_len, self.range_ratio),
+            length(rng, self.output_len, self.range_ratio),
+        )
     }
 }
 

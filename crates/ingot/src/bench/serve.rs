@@ -6,7 +6,7 @@
 //! counts are the server's `usage`; a server that reports none is counted by text chunks
 //! and the report says so.
 
-use super::{ms, percentile};
+use super::{ms, percentile, RandomDataset};
 use crate::generate::Format;
 use anyhow::{bail, ensure, Context, Result};
 use futures_util::StreamExt;
@@ -37,18 +37,10 @@ pub struct ServeArgs {
     tokenizer: PathBuf,
     #[arg(long)]
     api_key: Option<String>,
-    /// Requests in the run.
-    #[arg(long, default_value_t = 200)]
-    num_prompts: usize,
-    /// Prompt tokens per request (random token ids, decoded to text).
-    #[arg(long, default_value_t = 256)]
-    input_len: usize,
-    /// Tokens generated per request (`max_tokens`, with `ignore_eos`).
-    #[arg(long, default_value_t = 128)]
-    output_len: usize,
-    /// Lengths drawn uniformly from [len × (1 − r), len × (1 + r)]; 0 keeps them fixed.
-    #[arg(long, default_value_t = 0.0)]
-    range_ratio: f64,
+    /// Prompts are random token ids decoded to text; outputs are `max_tokens` with
+    /// `ignore_eos`.
+    #[command(flatten)]
+    dataset: RandomDataset,
     /// Requests per second, arrivals drawn from a Poisson process; inf sends all at once.
     #[arg(long, default_value = "inf")]
     request_rate: f64,
@@ -103,15 +95,7 @@ impl Outcome {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    ensure!(
-        args.num_prompts > 0 && args.input_len > 0 && args.output_len > 0,
-        "--num-prompts, --input-len and --output-len must be at least 1"
-    );
-    ensure!(
-        (0.0..1.0).contains(&args.range_ratio),
-        "--range-ratio must be in [0, 1), got {}",
-        args.range_ratio
-    );
+    args.dataset.check()?;
     ensure!(
         args.request_rate > 0.0,
         "--request-rate must be above 0 (inf sends all at once)"
@@ -129,17 +113,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("loading the tokenizer of {}", args.tokenizer.display()))?;
     let pool = round_trip_ids(&tokenizer)?;
     let mut rng = StdRng::seed_from_u64(args.seed);
-    let requests = (0..args.num_prompts)
+    let requests = (0..args.dataset.num_prompts)
         .map(|_| {
-            let input = super::length(&mut rng, args.input_len, args.range_ratio);
-            let output = super::length(&mut rng, args.output_len, args.range_ratio);
+            let (input, output) = args.dataset.lengths(&mut rng);
             Ok(Request {
                 prompt: random_prompt(&tokenizer, &pool, &mut rng, input)?,
                 max_tokens: output,
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let delays = arrivals(&mut rng, args.num_prompts, args.request_rate);
+    let delays = arrivals(&mut rng, args.dataset.num_prompts, args.request_rate);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
@@ -455,9 +438,9 @@ fn report(args: &ServeArgs, model: &str, outcomes: &[Outcome], duration: f64) ->
         "endpoint": args.endpoint,
         "model": model,
         "num_prompts": outcomes.len(),
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "range_ratio": args.range_ratio,
+        "input_len": args.dataset.input_len,
+        "output_len": args.dataset.output_len,
+        "range_ratio": args.dataset.range_ratio,
         "request_rate": if args.request_rate.is_finite() { json!(args.request_rate) } else { json!("inf") },
         "max_concurrency": args.max_concurrency,
         "completed": ok.len(),

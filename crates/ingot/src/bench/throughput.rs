@@ -3,10 +3,10 @@
 //! requests/s, output and total tokens/s over the wall time of the run, and each request's
 //! time to first token and end-to-end latency from the start of the run.
 
-use super::{length, ms, print_text, summary};
+use super::{ms, print_text, summary, RandomDataset};
 use crate::device::{ModelArgs, OnBackend};
 use crate::generate::{EngineArgs, Format};
-use anyhow::{ensure, Result};
+use anyhow::Result;
 use ingot_backend::Backend;
 use ingot_core::SamplingParams;
 use ingot_engine::Engine;
@@ -20,18 +20,9 @@ use std::time::{Duration, Instant};
 pub struct ThroughputArgs {
     #[command(flatten)]
     pub(super) model: ModelArgs,
-    /// Requests, submitted at once.
-    #[arg(long, default_value_t = 200)]
-    num_prompts: usize,
-    /// Prompt tokens per request (random ids).
-    #[arg(long, default_value_t = 256)]
-    input_len: usize,
-    /// Tokens generated per request.
-    #[arg(long, default_value_t = 128)]
-    output_len: usize,
-    /// Lengths drawn uniformly from [len × (1 − r), len × (1 + r)]; 0 keeps them fixed.
-    #[arg(long, default_value_t = 0.0)]
-    range_ratio: f64,
+    /// Submitted at once.
+    #[command(flatten)]
+    dataset: RandomDataset,
     /// Untimed requests run first (CUDA graph capture, kernel caches).
     #[arg(long, default_value_t = 8)]
     warmup: usize,
@@ -63,8 +54,7 @@ fn requests(
 ) -> (Vec<Vec<u32>>, Vec<SamplingParams>) {
     (0..n)
         .map(|i| {
-            let input = length(rng, args.input_len, args.range_ratio);
-            let output = length(rng, args.output_len, args.range_ratio);
+            let (input, output) = args.dataset.lengths(rng);
             let prompt = (0..input).map(|_| rng.random_range(0..vocab)).collect();
             let params = SamplingParams {
                 ignore_eos: true,
@@ -78,15 +68,7 @@ fn requests(
 }
 
 fn throughput<B: Backend>(args: ThroughputArgs, backend: B) -> Result<()> {
-    ensure!(
-        args.num_prompts > 0 && args.input_len > 0 && args.output_len > 0,
-        "--num-prompts, --input-len and --output-len must be at least 1"
-    );
-    ensure!(
-        (0.0..1.0).contains(&args.range_ratio),
-        "--range-ratio must be in [0, 1), got {}",
-        args.range_ratio
-    );
+    args.dataset.check()?;
     let device = backend.name();
     let (model, tokenizer) = args.model.load(&backend)?;
     let vocab = model.config.vocab_size as u32;
@@ -97,9 +79,9 @@ fn throughput<B: Backend>(args: ThroughputArgs, backend: B) -> Result<()> {
         engine.generate(prompts, &params)?;
     }
     // `generate` numbers its requests from 2^63 up, so the timed ones can be 0..n.
-    let (prompts, params) = requests(&args, &mut rng, vocab, args.num_prompts);
+    let (prompts, params) = requests(&args, &mut rng, vocab, args.dataset.num_prompts);
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
-    let progress = super::progress(args.num_prompts, "requests", args.format);
+    let progress = super::progress(args.dataset.num_prompts, "requests", args.format);
     let n = prompts.len();
     for (i, (prompt, p)) in prompts.into_iter().zip(params).enumerate() {
         engine.add_request(i as u64, prompt, p)?;
@@ -127,11 +109,11 @@ fn throughput<B: Backend>(args: ThroughputArgs, backend: B) -> Result<()> {
     let report = json!({
         "device": device,
         "model": args.model.model,
-        "num_prompts": args.num_prompts,
+        "num_prompts": args.dataset.num_prompts,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "elapsed_s": elapsed,
-        "requests_per_s": args.num_prompts as f64 / elapsed,
+        "requests_per_s": args.dataset.num_prompts as f64 / elapsed,
         "output_tok_s": output_tokens as f64 / elapsed,
         "total_tok_s": (prompt_tokens + output_tokens) as f64 / elapsed,
         "ttft_ms": summary(&ms(&ttft)),
@@ -142,7 +124,7 @@ fn throughput<B: Backend>(args: ThroughputArgs, backend: B) -> Result<()> {
         Format::Text => {
             println!(
                 "{device}: {} requests, {prompt_tokens} prompt and {output_tokens} output tokens in {elapsed:.2} s",
-                args.num_prompts
+                args.dataset.num_prompts
             );
             println!(
                 "  {:.2} requests/s, {:.1} output tok/s, {:.1} total tok/s",
