@@ -21,10 +21,12 @@ run: model build
 	./target/release/ingot generate --model "$$(scripts/fetch-test-model)" --chat --prompt "$(PROMPT)" --max-tokens 64
 
 # Everything CI checks: formatting, lints, the Rust tests (the CUDA kernels compile with
-# NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run),
+# NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run;
+# the wgpu tests run on Mesa's lavapipe, installed from Debian's packages when missing),
 # and the Python suite that drives `ingot serve` with the official openai client (its venv
 # lives in ~/.cache/ingot).
 test: model
+	scripts/install-vulkan
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --all-features -- -D warnings
 	INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace

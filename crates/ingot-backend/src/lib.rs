@@ -11,6 +11,8 @@ pub mod cuda;
 mod dtype;
 pub mod quant;
 pub mod sampling;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 pub use dtype::DType;
 pub use sampling::{LogitEdit, SampleRow};
@@ -113,6 +115,12 @@ pub trait Backend: Send + Sync {
 
     /// Free and total device memory, for backends whose memory is their own (GPUs).
     fn memory_info(&self) -> Option<MemoryInfo> {
+        None
+    }
+
+    /// The largest buffer one op may bind, where the device limits it (wgpu adapters): the
+    /// KV cache of one layer is sized to fit.
+    fn max_buffer_bytes(&self) -> Option<usize> {
         None
     }
 

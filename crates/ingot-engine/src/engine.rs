@@ -247,6 +247,18 @@ impl<B: Backend> Engine<B> {
             }
             (None, None) => (available_memory().unwrap_or(4 << 30) / 4 / block_bytes).min(useful),
         };
+        let num_blocks = match backend.max_buffer_bytes() {
+            // Each layer's keys (and values) are one buffer.
+            Some(max) => {
+                let layer_block = kv_dtype.bytes_for(config.block_size * cfg.kv_size());
+                let fit = max / layer_block;
+                if num_blocks > fit {
+                    tracing::info!("KV cache limited to {fit} blocks: one layer's keys must fit a buffer of {max} bytes on {}", backend.name());
+                }
+                num_blocks.min(fit)
+            }
+            None => num_blocks,
+        };
         let min_blocks = max_model_len.div_ceil(config.block_size).min(useful);
         if num_blocks == 0 {
             bail!("no memory is left for one KV cache block ({block_bytes} bytes): raise --kv-cache-memory or --gpu-memory-utilization, or lower --max-num-batched-tokens");

@@ -14,6 +14,8 @@ pub enum Device {
     Auto,
     Cpu,
     Cuda(usize),
+    /// Adapter N of wgpu's, most preferred first (discrete, integrated, virtual, CPU).
+    Wgpu(usize),
 }
 
 impl FromStr for Device {
@@ -23,9 +25,16 @@ impl FromStr for Device {
             "auto" => Device::Auto,
             "cpu" => Device::Cpu,
             "cuda" => Device::Cuda(0),
-            _ => match s.strip_prefix("cuda:").map(str::parse) {
-                Some(Ok(n)) => Device::Cuda(n),
-                _ => bail!("unknown device `{s}` (expected auto, cpu, cuda or cuda:N)"),
+            "wgpu" => Device::Wgpu(0),
+            _ => match (
+                s.strip_prefix("cuda:").map(str::parse),
+                s.strip_prefix("wgpu:").map(str::parse),
+            ) {
+                (Some(Ok(n)), _) => Device::Cuda(n),
+                (_, Some(Ok(n))) => Device::Wgpu(n),
+                _ => {
+                    bail!("unknown device `{s}` (expected auto, cpu, cuda, cuda:N, wgpu or wgpu:N)")
+                }
             },
         })
     }
@@ -49,7 +58,8 @@ pub struct ModelArgs {
     /// bf16 convert.
     #[arg(long, default_value = "auto")]
     pub dtype: WeightDType,
-    /// cpu, cuda[:N], or auto (a CUDA GPU when one is found, else the CPU).
+    /// cpu, cuda[:N], wgpu[:N] (Metal on macOS, Vulkan elsewhere), or auto (a CUDA GPU
+    /// when one is found, else the CPU).
     #[arg(long, default_value = "auto")]
     pub device: Device,
     /// CPU worker threads (default: one per physical core).
@@ -86,6 +96,7 @@ impl ModelArgs {
         tracing::info!("device: {device:?} (asked for {:?})", self.device);
         match device {
             Device::Cuda(n) => self.on_cuda(n, job),
+            Device::Wgpu(n) => self.on_wgpu(n, job),
             _ => job.run(CpuBackend::new(self.threads)?),
         }
     }
@@ -98,6 +109,17 @@ impl ModelArgs {
     #[cfg(not(feature = "cuda"))]
     fn on_cuda<J: OnBackend>(&self, _ordinal: usize, _job: J) -> Result<J::Output> {
         bail!("this ingot was built without the `cuda` feature")
+    }
+
+    #[cfg(feature = "wgpu")]
+    fn on_wgpu<J: OnBackend>(&self, ordinal: usize, job: J) -> Result<J::Output> {
+        use ingot_backend::wgpu::{Options, WgpuBackend};
+        job.run(WgpuBackend::new(ordinal, Options::from_env()?)?)
+    }
+
+    #[cfg(not(feature = "wgpu"))]
+    fn on_wgpu<J: OnBackend>(&self, _ordinal: usize, _job: J) -> Result<J::Output> {
+        bail!("this ingot was built without the `wgpu` feature")
     }
 
     /// Loads the model onto `backend`.

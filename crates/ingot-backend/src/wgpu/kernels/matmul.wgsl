@@ -1,0 +1,143 @@
+// out[r, col + j] = Σ_k x[r, k] · w[j, k] (+ bias[j]), rows of `out` ld apart; x and out f32,
+// w in the weight dtype (w_at), accumulation in f32.
+
+struct P { m: u32, n: u32, k: u32, ld: u32, col: u32, has_bias: u32 }
+
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read> bias: array<f32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+const GEMV_ROWS: u32 = 8u;
+// A GEMV workgroup computes GEMV_COLS output columns; LANES consecutive threads share
+// each column, reading consecutive elements (coalesced on GPUs, one vector load on CPU
+// implementations).
+const GEMV_COLS: u32 = 32u;
+const LANES: u32 = 8u;
+var<workgroup> partial: array<f32, 2048>; // [GEMV_ROWS][WG]
+
+fn store(r: u32, j: u32, v: f32) {
+    var s = v;
+    if (p.has_bias != 0u) {
+        s += bias[j];
+    }
+    out[r * p.ld + p.col + j] = s;
+}
+
+// Up to GEMV_ROWS rows (decode steps): each weight row is read once for every input row,
+// and a workgroup meets at one barrier.
+@compute @workgroup_size(256)
+fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let lane = lid % LANES;
+    let j = (wg.y * nwg.x + wg.x) * GEMV_COLS + lid / LANES;
+    // Rows 0-3 and 4-7 in two vectors: registers on every implementation (an indexed
+    // array ends up in memory on some). Rows past m read row m - 1 and are not stored.
+    var lo = vec4<f32>();
+    var hi = vec4<f32>();
+    if (j < p.n) {
+        let wrow = j * p.k;
+        let last = p.m - 1u;
+        if (p.m == 1u) {
+            var a = 0.0;
+            for (var kk = lane; kk < p.k; kk += LANES) {
+                a += x[kk] * w_at(wrow + kk);
+            }
+            lo.x = a;
+        } else {
+            for (var kk = lane; kk < p.k; kk += LANES) {
+                let wv = w_at(wrow + kk);
+                lo += wv * vec4<f32>(x[kk], x[min(1u, last) * p.k + kk],
+                                     x[min(2u, last) * p.k + kk], x[min(3u, last) * p.k + kk]);
+                if (p.m > 4u) {
+                    hi += wv * vec4<f32>(x[4u * p.k + kk], x[min(5u, last) * p.k + kk],
+                                         x[min(6u, last) * p.k + kk], x[min(7u, last) * p.k + kk]);
+                }
+            }
+        }
+    }
+    partial[lid] = lo.x;
+    partial[WG + lid] = lo.y;
+    partial[2u * WG + lid] = lo.z;
+    partial[3u * WG + lid] = lo.w;
+    partial[4u * WG + lid] = hi.x;
+    partial[5u * WG + lid] = hi.y;
+    partial[6u * WG + lid] = hi.z;
+    partial[7u * WG + lid] = hi.w;
+    workgroupBarrier();
+    if (lid < GEMV_COLS * p.m) {
+        let c = lid % GEMV_COLS;
+        let r = lid / GEMV_COLS;
+        let jj = (wg.y * nwg.x + wg.x) * GEMV_COLS + c;
+        if (jj < p.n) {
+            var t = 0.0;
+            for (var l = 0u; l < LANES; l++) {
+                t += partial[r * WG + c * LANES + l];
+            }
+            store(r, jj, t);
+        }
+    }
+}
+
+// Columns j, j + 16, j + 32 and j + 48 of row r, those inside the product.
+fn store4(r: u32, j: u32, v: vec4<f32>) {
+    if (r >= p.m) {
+        return;
+    }
+    for (var q = 0u; q < 4u; q++) {
+        if (j + 16u * q < p.n) {
+            store(r, j + 16u * q, v[q]);
+        }
+    }
+}
+
+// Tiles of 64 x 64 outputs, 32 deep along k, staged in workgroup memory k-major (so
+// neighbouring threads read neighbouring words); each thread computes 4 x 4 outputs 16
+// rows and 16 columns apart.
+const TILE: u32 = 64u;
+const DEPTH: u32 = 32u;
+var<workgroup> xs: array<f32, 2048>;
+var<workgroup> ws: array<f32, 2048>;
+
+@compute @workgroup_size(256)
+fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let row0 = wg.y * TILE;
+    let col0 = wg.x * TILE;
+    let tx = lid % 16u;
+    let ty = lid / 16u;
+    // Output rows row0 + ty + 16 i in c0..c3, columns col0 + tx + 16 jj in their lanes.
+    var c0 = vec4<f32>();
+    var c1 = vec4<f32>();
+    var c2 = vec4<f32>();
+    var c3 = vec4<f32>();
+    for (var k0 = 0u; k0 < p.k; k0 += DEPTH) {
+        for (var e = lid; e < TILE * DEPTH; e += WG) {
+            let t = e / DEPTH;
+            let kk = k0 + e % DEPTH;
+            var xv = 0.0;
+            if (row0 + t < p.m && kk < p.k) {
+                xv = x[(row0 + t) * p.k + kk];
+            }
+            xs[(e % DEPTH) * TILE + t] = xv;
+            var wv = 0.0;
+            if (col0 + t < p.n && kk < p.k) {
+                wv = w_at((col0 + t) * p.k + kk);
+            }
+            ws[(e % DEPTH) * TILE + t] = wv;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < DEPTH; kk++) {
+            let o = kk * TILE;
+            let b = vec4<f32>(ws[o + tx], ws[o + tx + 16u], ws[o + tx + 32u], ws[o + tx + 48u]);
+            c0 += xs[o + ty] * b;
+            c1 += xs[o + ty + 16u] * b;
+            c2 += xs[o + ty + 32u] * b;
+            c3 += xs[o + ty + 48u] * b;
+        }
+        workgroupBarrier();
+    }
+    store4(row0 + ty, col0 + tx, c0);
+    store4(row0 + ty + 16u, col0 + tx, c1);
+    store4(row0 + ty + 32u, col0 + tx, c2);
+    store4(row0 + ty + 48u, col0 + tx, c3);
+}

@@ -1,0 +1,790 @@
+//! The wgpu backend: WGSL compute kernels that wgpu runs through Metal on macOS and Vulkan
+//! elsewhere (and on Mesa's lavapipe, a CPU Vulkan, in CI).
+//!
+//! Activations run in f32 (the ops that bound a step read weights and the KV cache, which
+//! keep 16-bit formats); matrices are kept as f32, f16 or bf16 (GGUF blocks are converted
+//! to f16 at load); the KV cache may be f32, f16 or bf16. Ops are recorded, not run: each
+//! adds a dispatch to the step's list, and the list goes to the GPU as one compute pass
+//! when the host needs a result (a download, an upload that must not overtake the
+//! recorded ops, or a synchronize).
+
+mod recorder;
+pub mod shader;
+
+use crate::sampling::{sample_row, LogitEdit, SampleRow};
+use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use recorder::Recorder;
+use shader::{Features, Kernel, WG};
+use std::collections::HashMap;
+use std::sync::{mpsc, Mutex};
+
+/// Most rows a matmul runs through the GEMV kernel (the kernel's GEMV_ROWS).
+const GEMV_MAX_ROWS: usize = 8;
+/// Output columns of one GEMV workgroup (the kernel's GEMV_COLS).
+const GEMV_COLS: usize = 32;
+/// Workgroups along x of a dispatch; more go to y (the limit is 65535 per dimension).
+const GRID_X: u32 = 32768;
+
+/// Which adapter features the backend may use: both on unless switched off to test the
+/// paths without them (`INGOT_WGPU_DISABLE=shader-f16,subgroup` on the command line).
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    pub shader_f16: bool,
+    pub subgroup: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            shader_f16: true,
+            subgroup: true,
+        }
+    }
+}
+
+impl Options {
+    /// The defaults less what `INGOT_WGPU_DISABLE` (a comma-separated list) names.
+    pub fn from_env() -> Result<Options> {
+        let mut o = Options::default();
+        if let Ok(list) = std::env::var("INGOT_WGPU_DISABLE") {
+            for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                match name {
+                    "shader-f16" => o.shader_f16 = false,
+                    "subgroup" => o.subgroup = false,
+                    other => bail!(
+                        "INGOT_WGPU_DISABLE: unknown feature `{other}` (expected shader-f16, subgroup)"
+                    ),
+                }
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// A device buffer and what it holds.
+pub struct WgpuBuffer {
+    buf: wgpu::Buffer,
+    dtype: DType,
+    numel: usize,
+}
+
+impl WgpuBuffer {
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+}
+
+/// The adapters wgpu finds, most preferred first: discrete GPUs, integrated ones, virtual
+/// ones, then CPU implementations.
+pub fn adapters() -> Vec<wgpu::Adapter> {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+    let mut all = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::PRIMARY));
+    all.sort_by_key(|a| match a.get_info().device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    });
+    all
+}
+
+pub struct WgpuBackend {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    features: Features,
+    limits: wgpu::Limits,
+    name: String,
+    pipelines: Mutex<HashMap<(&'static str, &'static str, DType), wgpu::ComputePipeline>>,
+    recorder: Mutex<Recorder>,
+    /// Bound where a kernel's optional input is absent (a matmul without bias).
+    dummy: wgpu::Buffer,
+    /// Reused for downloads, grown as needed.
+    staging: Mutex<Option<wgpu::Buffer>>,
+}
+
+impl WgpuBackend {
+    /// Opens adapter `ordinal` of [`adapters`] with what `options` allows of its features.
+    pub fn new(ordinal: usize, options: Options) -> Result<WgpuBackend> {
+        let all = adapters();
+        let adapter = all.get(ordinal).cloned().ok_or_else(|| {
+            anyhow!(
+                "no wgpu adapter {ordinal}: {} found{}",
+                all.len(),
+                if all.is_empty() {
+                    " (is a Vulkan driver installed? On Debian: apt-get install mesa-vulkan-drivers)"
+                } else {
+                    ""
+                }
+            )
+        })?;
+        let info = adapter.get_info();
+        let offered = adapter.features();
+        let features = Features {
+            shader_f16: options.shader_f16 && offered.contains(wgpu::Features::SHADER_F16),
+            subgroup: options.subgroup && offered.contains(wgpu::Features::SUBGROUP),
+        };
+        let mut required = wgpu::Features::empty();
+        required.set(wgpu::Features::SHADER_F16, features.shader_f16);
+        required.set(wgpu::Features::SUBGROUP, features.subgroup);
+        let limits = adapter.limits();
+        ensure!(
+            adapter
+                .get_downlevel_capabilities()
+                .flags
+                .contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32),
+            "adapter {} cannot pack f16 pairs in shaders (SHADER_F16_IN_F32)",
+            info.name
+        );
+        ensure!(
+            limits.max_compute_invocations_per_workgroup >= WG
+                && limits.max_compute_workgroup_size_x >= WG,
+            "adapter {} runs at most {} threads per workgroup; the kernels need {WG}",
+            info.name,
+            limits.max_compute_invocations_per_workgroup
+        );
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("ingot"),
+            required_features: required,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .with_context(|| format!("opening wgpu adapter {}", info.name))?;
+        let name = format!(
+            "wgpu {} ({:?}, {:?})",
+            info.name, info.backend, info.device_type
+        );
+        tracing::info!(
+            "{name}: max buffer {} MiB, max storage binding {} MiB; shader-f16 {}, subgroups {}",
+            limits.max_buffer_size >> 20,
+            limits.max_storage_buffer_binding_size >> 20,
+            if features.shader_f16 {
+                "on"
+            } else {
+                "off (packed pairs)"
+            },
+            if features.subgroup {
+                "on"
+            } else {
+                "off (workgroup memory)"
+            },
+        );
+        let dummy = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("dummy"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let recorder = Recorder::new(&device, &limits);
+        Ok(WgpuBackend {
+            device,
+            queue,
+            features,
+            limits,
+            name,
+            pipelines: Mutex::new(HashMap::new()),
+            recorder: Mutex::new(recorder),
+            dummy,
+            staging: Mutex::new(None),
+        })
+    }
+
+    /// The shader features this backend runs with.
+    pub fn features(&self) -> Features {
+        self.features
+    }
+
+    /// The pipeline of `entry` in `kernel`'s `dtype` variant, compiled on first use.
+    fn pipeline(
+        &self,
+        kernel: &Kernel,
+        entry: &'static str,
+        dtype: DType,
+    ) -> wgpu::ComputePipeline {
+        let key = (kernel.file, entry, dtype);
+        let mut pipelines = self.pipelines.lock().unwrap();
+        if let Some(p) = pipelines.get(&key) {
+            return p.clone();
+        }
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.file),
+            source: wgpu::ShaderSource::Wgsl(shader::source(kernel, dtype, self.features).into()),
+        };
+        // SAFETY: every kernel checks its indices against the sizes it is given, and the
+        // host checks those sizes and the indices it uploads (token ids, slots, block
+        // tables) as it does for the CUDA kernels. Without per-access bounds checks the
+        // loads stay vector loads.
+        let module = unsafe {
+            self.device
+                .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+        };
+        let p = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        pipelines.insert(key, p.clone());
+        p
+    }
+
+    /// Records `entry` over `groups` workgroups (spread over x and y), with `params` as
+    /// its uniform block (binding 0) and `buffers` at their bindings.
+    fn dispatch(
+        &self,
+        kernel: &Kernel,
+        entry: &'static str,
+        dtype: DType,
+        params: &[u32],
+        buffers: &[(u32, &wgpu::Buffer)],
+        groups: usize,
+    ) {
+        if groups == 0 {
+            return;
+        }
+        let groups = u32::try_from(groups).expect("dispatch too large");
+        let grid = if groups <= GRID_X {
+            [groups, 1, 1]
+        } else {
+            [GRID_X, groups.div_ceil(GRID_X), 1]
+        };
+        self.dispatch_grid(kernel, entry, dtype, params, buffers, grid);
+    }
+
+    fn dispatch_grid(
+        &self,
+        kernel: &Kernel,
+        entry: &'static str,
+        dtype: DType,
+        params: &[u32],
+        buffers: &[(u32, &wgpu::Buffer)],
+        grid: [u32; 3],
+    ) {
+        let pipeline = self.pipeline(kernel, entry, dtype);
+        let mut rec = self.recorder.lock().unwrap();
+        if rec.is_full() {
+            rec.flush(&self.device, &self.queue);
+        }
+        rec.record(&self.device, pipeline, params, buffers, grid);
+    }
+
+    fn flush(&self) {
+        self.recorder
+            .lock()
+            .unwrap()
+            .flush(&self.device, &self.queue);
+    }
+
+    /// The first `bytes` bytes of `src`, after every recorded op has run.
+    fn read_bytes(&self, src: &wgpu::Buffer, bytes: usize) -> Result<Vec<u8>> {
+        self.flush();
+        let size = (bytes.div_ceil(4) * 4) as u64;
+        if size == 0 {
+            return Ok(vec![]);
+        }
+        let mut staging = self.staging.lock().unwrap();
+        if staging.as_ref().is_none_or(|s| s.size() < size) {
+            *staging = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("staging"),
+                size: size.next_power_of_two(),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }));
+        }
+        let staging = staging.as_ref().unwrap();
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(src, 0, staging, 0, size);
+        self.queue.submit([enc.finish()]);
+        let (tx, rx) = mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, ..size, move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
+        rx.recv()?
+            .map_err(|e| anyhow!("wgpu: reading a buffer back: {e}"))?;
+        let out = staging.get_mapped_range(..size)?.to_vec();
+        staging.unmap();
+        Ok(out[..bytes].to_vec())
+    }
+
+    fn check_binding(&self, bytes: u64) -> Result<()> {
+        let max = self
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size);
+        ensure!(
+            bytes <= max,
+            "a buffer of {bytes} bytes exceeds this adapter's limit of {max} bytes per buffer \
+             (max_storage_buffer_binding_size {}, max_buffer_size {})",
+            self.limits.max_storage_buffer_binding_size,
+            self.limits.max_buffer_size
+        );
+        Ok(())
+    }
+}
+
+fn words(v: &[usize]) -> Vec<u32> {
+    v.iter()
+        .map(|&x| u32::try_from(x).expect("size exceeds u32"))
+        .collect()
+}
+
+impl Backend for WgpuBackend {
+    type Buffer = WgpuBuffer;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn activation_dtype(&self, _weights: DType) -> DType {
+        DType::F32
+    }
+
+    /// Matrices keep f32/f16/bf16; block-quantized ones become f16 at load.
+    fn weight_dtype(&self, stored: DType, _activation: DType) -> DType {
+        match stored {
+            DType::F32 | DType::F16 | DType::BF16 => stored,
+            _ => DType::F16,
+        }
+    }
+
+    fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    fn max_buffer_bytes(&self) -> Option<usize> {
+        let max = self
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size);
+        Some(usize::try_from(max).unwrap_or(usize::MAX))
+    }
+
+    fn alloc(&self, dtype: DType, numel: usize) -> Result<WgpuBuffer> {
+        ensure!(
+            !dtype.is_quantized(),
+            "the wgpu backend keeps no {dtype} buffers (quantized weights are converted at load)"
+        );
+        // Whole 16-byte units, so that copies and 16-bit pairs never run past the end.
+        let size = (dtype.bytes_for(numel).max(1).div_ceil(16) * 16) as u64;
+        self.check_binding(size)?;
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        Ok(WgpuBuffer { buf, dtype, numel })
+    }
+
+    fn upload(&self, dst: &mut WgpuBuffer, bytes: &[u8]) -> Result<()> {
+        let held = dst.dtype.bytes_for(dst.numel);
+        ensure!(
+            bytes.len() <= held,
+            "upload of {} bytes into a buffer of {held}",
+            bytes.len()
+        );
+        // Queue writes run before the next submission: recorded ops must go first.
+        self.flush();
+        let whole = bytes.len() / 4 * 4;
+        self.queue.write_buffer(&dst.buf, 0, &bytes[..whole]);
+        if whole < bytes.len() {
+            // The last partial word: padded with zeros only when it ends the data.
+            ensure!(
+                bytes.len().div_ceil(4) * 4 >= held,
+                "upload of {} bytes ends inside a 4-byte word of held data",
+                bytes.len()
+            );
+            let mut tail = [0u8; 4];
+            tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+            self.queue.write_buffer(&dst.buf, whole as u64, &tail);
+        }
+        Ok(())
+    }
+
+    fn download_f32(&self, src: &WgpuBuffer, numel: usize) -> Result<Vec<f32>> {
+        ensure!(numel <= src.numel, "download past the buffer's end");
+        let bytes = self.read_bytes(&src.buf, src.dtype.bytes_for(numel))?;
+        Ok(match src.dtype {
+            DType::F32 => bytemuck::pod_collect_to_vec(&bytes),
+            DType::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::I32 => bytemuck::pod_collect_to_vec::<u8, i32>(&bytes)
+                .into_iter()
+                .map(|v| v as f32)
+                .collect(),
+            other => bail!("no f32 download of {other} buffers"),
+        })
+    }
+
+    fn download_i32(&self, src: &WgpuBuffer, n: usize) -> Result<Vec<i32>> {
+        ensure!(
+            src.dtype == DType::I32,
+            "download_i32 of a {} buffer",
+            src.dtype
+        );
+        ensure!(n <= src.numel, "download past the buffer's end");
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_bytes(&src.buf, 4 * n)?,
+        ))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.flush();
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
+        Ok(())
+    }
+
+    fn embedding(
+        &self,
+        table: &WgpuBuffer,
+        ids: &WgpuBuffer,
+        n: usize,
+        dim: usize,
+        out: &mut WgpuBuffer,
+    ) {
+        assert_eq!(out.dtype, DType::F32);
+        self.dispatch(
+            &shader::EMBEDDING,
+            "embedding",
+            table.dtype,
+            &words(&[n, dim]),
+            &[(1, &table.buf), (2, &ids.buf), (3, &out.buf)],
+            (n * dim).div_ceil(WG as usize),
+        );
+    }
+
+    fn rms_norm(
+        &self,
+        x: &WgpuBuffer,
+        weight: &WgpuBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut WgpuBuffer,
+    ) {
+        let p = [rows as u32, dim as u32, eps.to_bits()];
+        self.dispatch(
+            &shader::NORM,
+            "rms_norm",
+            DType::F32,
+            &p,
+            &[(1, &x.buf), (2, &weight.buf), (3, &out.buf)],
+            rows,
+        );
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut WgpuBuffer,
+        x: &WgpuBuffer,
+        weight: &WgpuBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut WgpuBuffer,
+    ) {
+        let p = [rows as u32, dim as u32, eps.to_bits()];
+        self.dispatch(
+            &shader::NORM,
+            "add_rms_norm",
+            DType::F32,
+            &p,
+            &[
+                (1, &x.buf),
+                (2, &weight.buf),
+                (3, &out.buf),
+                (4, &residual.buf),
+            ],
+            rows,
+        );
+    }
+
+    fn matmul(
+        &self,
+        x: &WgpuBuffer,
+        w: &WgpuBuffer,
+        bias: Option<&WgpuBuffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: MatmulOut<'_, Self>,
+    ) {
+        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
+        assert_eq!(out.buf.dtype, DType::F32, "matmul writes f32");
+        let p = words(&[
+            m,
+            n,
+            k,
+            out.row_stride,
+            out.col_offset,
+            bias.is_some() as usize,
+        ]);
+        let buffers = [
+            (1, &x.buf),
+            (2, &w.buf),
+            (3, bias.map_or(&self.dummy, |b| &b.buf)),
+            (4, &out.buf.buf),
+        ];
+        if m <= GEMV_MAX_ROWS {
+            self.dispatch(
+                &shader::MATMUL,
+                "gemv",
+                w.dtype,
+                &p,
+                &buffers,
+                n.div_ceil(GEMV_COLS),
+            );
+        } else {
+            let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+            self.dispatch_grid(&shader::MATMUL, "gemm", w.dtype, &p, &buffers, grid);
+        }
+    }
+
+    fn add_assign(&self, acc: &mut WgpuBuffer, x: &WgpuBuffer, numel: usize) {
+        self.dispatch(
+            &shader::ELEMENTWISE,
+            "add_assign",
+            DType::F32,
+            &words(&[numel, 0]),
+            &[(1, &x.buf), (3, &acc.buf)],
+            numel.div_ceil(WG as usize),
+        );
+    }
+
+    fn silu_mul(&self, gate_up: &WgpuBuffer, rows: usize, ffn: usize, out: &mut WgpuBuffer) {
+        self.dispatch(
+            &shader::ELEMENTWISE,
+            "silu_mul",
+            DType::F32,
+            &words(&[rows * ffn, ffn]),
+            &[(1, &gate_up.buf), (3, &out.buf)],
+            (rows * ffn).div_ceil(WG as usize),
+        );
+    }
+
+    fn qk_norm(
+        &self,
+        qkv: &mut WgpuBuffer,
+        layout: QkvLayout,
+        rows: usize,
+        q_weight: &WgpuBuffer,
+        k_weight: &WgpuBuffer,
+        eps: f32,
+    ) {
+        let p = [
+            rows as u32,
+            layout.head_dim as u32,
+            eps.to_bits(),
+            layout.num_heads as u32,
+            layout.num_kv_heads as u32,
+            layout.row_len() as u32,
+        ];
+        self.dispatch(
+            &shader::NORM,
+            "qk_norm",
+            DType::F32,
+            &p,
+            &[(2, &q_weight.buf), (3, &qkv.buf), (5, &k_weight.buf)],
+            rows * (layout.num_heads + layout.num_kv_heads),
+        );
+    }
+
+    fn rope(
+        &self,
+        qkv: &mut WgpuBuffer,
+        layout: QkvLayout,
+        positions: &WgpuBuffer,
+        rows: usize,
+        cos_sin: &WgpuBuffer,
+        rotary_dim: usize,
+    ) {
+        let heads = layout.num_heads + layout.num_kv_heads;
+        let p = words(&[
+            rows,
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_dim,
+            rotary_dim,
+            layout.row_len(),
+        ]);
+        self.dispatch(
+            &shader::ROPE,
+            "rope",
+            DType::F32,
+            &p,
+            &[(1, &positions.buf), (2, &cos_sin.buf), (3, &qkv.buf)],
+            (rows * heads * rotary_dim / 2).div_ceil(WG as usize),
+        );
+    }
+
+    fn kv_write(
+        &self,
+        qkv: &WgpuBuffer,
+        layout: QkvLayout,
+        slot_mapping: &WgpuBuffer,
+        rows: usize,
+        _cache: CacheLayout,
+        k_cache: &mut WgpuBuffer,
+        v_cache: &mut WgpuBuffer,
+    ) {
+        assert_eq!(k_cache.dtype, v_cache.dtype);
+        assert!(
+            layout.head_dim.is_multiple_of(2),
+            "kv_write writes element pairs"
+        );
+        let p = words(&[
+            rows,
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_dim,
+            0,
+            layout.row_len(),
+        ]);
+        self.dispatch(
+            &shader::ROPE,
+            "kv_write",
+            k_cache.dtype,
+            &p,
+            &[
+                (4, &slot_mapping.buf),
+                (5, &k_cache.buf),
+                (6, &v_cache.buf),
+                (7, &qkv.buf),
+            ],
+            (rows * layout.kv_len() / 2).div_ceil(WG as usize),
+        );
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &WgpuBuffer,
+        layout: QkvLayout,
+        rows: usize,
+        meta: &AttentionMetadata<'_, Self>,
+        cache: CacheLayout,
+        k_cache: &WgpuBuffer,
+        v_cache: &WgpuBuffer,
+        scale: f32,
+        _workspace: &mut WgpuBuffer,
+        out: &mut WgpuBuffer,
+    ) {
+        assert!(layout.head_dim as u32 <= WG, "head_dim above {WG}");
+        let mut p = words(&[
+            rows,
+            meta.num_seqs,
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.row_len(),
+            cache.block_size,
+            meta.max_blocks_per_seq,
+        ]);
+        p.push(scale.to_bits());
+        self.dispatch(
+            &shader::ATTENTION,
+            "attention",
+            k_cache.dtype,
+            &p,
+            &[
+                (1, &qkv.buf),
+                (2, &meta.query_start_loc.buf),
+                (3, &meta.seq_lens.buf),
+                (4, &meta.block_tables.buf),
+                (5, &k_cache.buf),
+                (6, &v_cache.buf),
+                (7, &out.buf),
+            ],
+            rows * layout.num_heads,
+        );
+    }
+
+    fn argmax(&self, logits: &WgpuBuffer, rows: usize, vocab: usize, out: &mut WgpuBuffer) {
+        self.dispatch(
+            &shader::ARGMAX,
+            "argmax",
+            DType::F32,
+            &words(&[rows, vocab]),
+            &[(1, &logits.buf), (2, &out.buf)],
+            rows,
+        );
+    }
+
+    /// Sampling runs on the host for now: the rows' logits, parameters and edits are read
+    /// back, [`sample_row`] picks, and the ids and edited logits go back to the device.
+    /// The engine therefore samples on the host itself ([`Backend::samples_on_device`]).
+    fn sample(
+        &self,
+        logits: &mut WgpuBuffer,
+        rows: usize,
+        vocab: usize,
+        params: &WgpuBuffer,
+        edits: &WgpuBuffer,
+        out: &mut WgpuBuffer,
+    ) {
+        let mut run = || -> Result<()> {
+            let params: Vec<SampleRow> = bytemuck::pod_collect_to_vec(
+                &self.read_bytes(&params.buf, rows * size_of::<SampleRow>())?,
+            );
+            let n_edits = params
+                .iter()
+                .map(|p| p.edit_end as usize)
+                .max()
+                .unwrap_or(0);
+            let edits: Vec<LogitEdit> = bytemuck::pod_collect_to_vec(
+                &self.read_bytes(&edits.buf, n_edits * size_of::<LogitEdit>())?,
+            );
+            let mut l = self.download_f32(logits, rows * vocab)?;
+            let ids: Vec<i32> = l
+                .chunks_mut(vocab)
+                .zip(&params)
+                .map(|(row, p)| {
+                    let e = &edits[p.edit_start as usize..p.edit_end as usize];
+                    sample_row(row, p, e) as i32
+                })
+                .collect();
+            self.upload(logits, bytemuck::cast_slice(&l))?;
+            self.upload(out, bytemuck::cast_slice(&ids))
+        };
+        run().expect("wgpu sampling on the host");
+    }
+
+    fn gather_rows(
+        &self,
+        x: &WgpuBuffer,
+        indices: &WgpuBuffer,
+        n: usize,
+        dim: usize,
+        out: &mut WgpuBuffer,
+    ) {
+        self.dispatch(
+            &shader::ELEMENTWISE,
+            "gather_rows",
+            DType::F32,
+            &words(&[n * dim, dim]),
+            &[(1, &x.buf), (2, &indices.buf), (3, &out.buf)],
+            (n * dim).div_ceil(WG as usize),
+        );
+    }
+}

@@ -1,0 +1,975 @@
+//! The conformance suite every device backend passes: each op against the CPU op on the
+//! same random inputs (odd sizes, GQA 1 to 8, head_dim 32/64/128, shuffled block tables,
+//! contexts crossing blocks, mixed prefill/decode batches, decode contexts up to 8k), in
+//! each dtype the backend runs. Inputs are rounded to the dtype under test before both
+//! run, so the difference left is the device's arithmetic: ‖gpu − cpu‖ / ‖cpu‖ ≤ 1e-5
+//! where everything is f32, ≤ 1e-2 where activations or the cache are 16-bit. Outputs
+//! start as NaN, so an element a kernel fails to write fails the check.
+//!
+//! `cuda_ops.rs` and `wgpu_ops.rs` run it on their backends.
+#![allow(clippy::too_many_arguments, dead_code)]
+
+use half::{bf16, f16};
+use ingot_backend::cpu::CpuBackend;
+use ingot_backend::{
+    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
+};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// The dtypes a backend runs: activations, and for each activation dtype the weights and
+/// KV caches it takes.
+pub struct Dtypes {
+    pub activations: &'static [DType],
+    pub weights: fn(DType) -> Vec<DType>,
+    pub caches: fn(DType) -> Vec<DType>,
+}
+
+/// The less precise of two float dtypes (f32 is the most precise).
+fn worse(a: DType, b: DType) -> DType {
+    if a == DType::F32 {
+        b
+    } else {
+        a
+    }
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new(None).unwrap()
+}
+
+fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// The values a buffer of `dtype` holds for `v`.
+fn round(v: &[f32], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+        DType::BF16 => v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+        _ => v.to_vec(),
+    }
+}
+
+fn bytes(v: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => bytemuck::cast_slice(v).to_vec(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        other => panic!("no test data for {other}"),
+    }
+}
+
+fn up<B: Backend>(b: &B, v: &[f32], dtype: DType) -> B::Buffer {
+    let mut buf = b.alloc(dtype, v.len().max(1)).unwrap();
+    b.upload(&mut buf, &bytes(v, dtype)).unwrap();
+    buf
+}
+
+fn up_i32<B: Backend>(b: &B, v: &[i32]) -> B::Buffer {
+    let mut buf = b.alloc(DType::I32, v.len().max(1)).unwrap();
+    b.upload(&mut buf, bytemuck::cast_slice(v)).unwrap();
+    buf
+}
+
+/// A buffer of `n` NaNs (all bits set), so unwritten elements show.
+fn poisoned<G: Backend>(g: &G, dtype: DType, n: usize) -> G::Buffer {
+    let mut buf = g.alloc(dtype, n.max(1)).unwrap();
+    g.upload(&mut buf, &vec![0xff; dtype.bytes_for(n)]).unwrap();
+    buf
+}
+
+fn tol(dtype: DType) -> f64 {
+    if dtype == DType::F32 {
+        1e-5
+    } else {
+        1e-2
+    }
+}
+
+/// ‖got − want‖ / ‖want‖ within the dtype's tolerance, and no NaN.
+fn check(got: &[f32], want: &[f32], dtype: DType, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} is {} (unwritten?)", got[i]);
+    }
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+    let rel = diff / norm.max(1e-30);
+    println!("{what}: relative error {rel:.2e}");
+    assert!(rel <= tol(dtype), "{what}: relative error {rel:.2e}");
+}
+
+pub fn row_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(1);
+    for &dtype in d.activations {
+        for (dim, wd) in [64, 67, 576]
+            .into_iter()
+            .flat_map(|dim| (d.weights)(dtype).into_iter().map(move |w| (dim, w)))
+        {
+            let vocab = 37;
+            let table = round(&randn(&mut rng, vocab * dim), wd);
+            let ids: Vec<i32> = (0..9).map(|_| rng.random_range(0..vocab as i32)).collect();
+            let mut out = poisoned(g, dtype, ids.len() * dim);
+            g.embedding(
+                &up(g, &table, wd),
+                &up_i32(g, &ids),
+                ids.len(),
+                dim,
+                &mut out,
+            );
+            let mut want = c.alloc(DType::F32, ids.len() * dim).unwrap();
+            c.embedding(
+                &up(&c, &table, DType::F32),
+                &up_i32(&c, &ids),
+                ids.len(),
+                dim,
+                &mut want,
+            );
+            let n = ids.len() * dim;
+            check(
+                &g.download_f32(&out, n).unwrap(),
+                &c.download_f32(&want, n).unwrap(),
+                dtype,
+                &format!("embedding {wd}->{dtype} dim {dim}"),
+            );
+        }
+        for (rows, dim) in [(1, 1), (3, 7), (5, 576), (2, 1001), (4, 4096), (3, 5120)] {
+            let n = rows * dim;
+            let (x, r) = (
+                round(&randn(&mut rng, n), dtype),
+                round(&randn(&mut rng, n), dtype),
+            );
+            let w = randn(&mut rng, dim);
+            let mut out = poisoned(g, dtype, n);
+            g.rms_norm(
+                &up(g, &x, dtype),
+                &up(g, &w, DType::F32),
+                1e-5,
+                rows,
+                dim,
+                &mut out,
+            );
+            let mut want = c.alloc(DType::F32, n).unwrap();
+            c.rms_norm(
+                &up(&c, &x, DType::F32),
+                &up(&c, &w, DType::F32),
+                1e-5,
+                rows,
+                dim,
+                &mut want,
+            );
+            check(
+                &g.download_f32(&out, n).unwrap(),
+                &c.download_f32(&want, n).unwrap(),
+                dtype,
+                &format!("rms_norm {dtype} {rows}x{dim}"),
+            );
+
+            let mut gr = up(g, &r, dtype);
+            let mut out = poisoned(g, dtype, n);
+            g.add_rms_norm(
+                &mut gr,
+                &up(g, &x, dtype),
+                &up(g, &w, DType::F32),
+                1e-5,
+                rows,
+                dim,
+                &mut out,
+            );
+            let mut cr = up(&c, &r, DType::F32);
+            let mut want = c.alloc(DType::F32, n).unwrap();
+            c.add_rms_norm(
+                &mut cr,
+                &up(&c, &x, DType::F32),
+                &up(&c, &w, DType::F32),
+                1e-5,
+                rows,
+                dim,
+                &mut want,
+            );
+            check(
+                &g.download_f32(&gr, n).unwrap(),
+                &c.download_f32(&cr, n).unwrap(),
+                dtype,
+                &format!("add_rms_norm residual {dtype} {rows}x{dim}"),
+            );
+            check(
+                &g.download_f32(&out, n).unwrap(),
+                &c.download_f32(&want, n).unwrap(),
+                dtype,
+                &format!("add_rms_norm {dtype} {rows}x{dim}"),
+            );
+        }
+        let n = 100_003;
+        let (x, y) = (
+            round(&randn(&mut rng, n), dtype),
+            round(&randn(&mut rng, n), dtype),
+        );
+        let mut acc = up(g, &x, dtype);
+        g.add_assign(&mut acc, &up(g, &y, dtype), n);
+        let mut cacc = up(&c, &x, DType::F32);
+        c.add_assign(&mut cacc, &up(&c, &y, DType::F32), n);
+        check(
+            &g.download_f32(&acc, n).unwrap(),
+            &c.download_f32(&cacc, n).unwrap(),
+            dtype,
+            &format!("add_assign {dtype}"),
+        );
+        for (rows, ffn) in [(1, 37), (3, 4864), (17, 130)] {
+            let gu = round(&randn(&mut rng, rows * 2 * ffn), dtype);
+            let mut out = poisoned(g, dtype, rows * ffn);
+            g.silu_mul(&up(g, &gu, dtype), rows, ffn, &mut out);
+            let mut want = c.alloc(DType::F32, rows * ffn).unwrap();
+            c.silu_mul(&up(&c, &gu, DType::F32), rows, ffn, &mut want);
+            check(
+                &g.download_f32(&out, rows * ffn).unwrap(),
+                &c.download_f32(&want, rows * ffn).unwrap(),
+                dtype,
+                &format!("silu_mul {dtype} {rows}x{ffn}"),
+            );
+        }
+        let (src, idx) = (round(&randn(&mut rng, 9 * 131), dtype), [4, 0, 8, 4]);
+        let mut out = poisoned(g, dtype, 4 * 131);
+        g.gather_rows(&up(g, &src, dtype), &up_i32(g, &idx), 4, 131, &mut out);
+        let mut want = c.alloc(DType::F32, 4 * 131).unwrap();
+        c.gather_rows(
+            &up(&c, &src, DType::F32),
+            &up_i32(&c, &idx),
+            4,
+            131,
+            &mut want,
+        );
+        check(
+            &g.download_f32(&out, 4 * 131).unwrap(),
+            &c.download_f32(&want, 4 * 131).unwrap(),
+            dtype,
+            &format!("gather_rows {dtype}"),
+        );
+    }
+}
+
+fn cos_sin_table(max_pos: usize, rot: usize) -> Vec<f32> {
+    let mut t = vec![0f32; max_pos * rot];
+    for p in 0..max_pos {
+        for i in 0..rot / 2 {
+            let ang = p as f64 / 10000f64.powf(2.0 * i as f64 / rot as f64);
+            t[p * rot + i] = ang.cos() as f32;
+            t[p * rot + rot / 2 + i] = ang.sin() as f32;
+        }
+    }
+    t
+}
+
+const LAYOUTS: [QkvLayout; 6] = [
+    QkvLayout {
+        num_heads: 4,
+        num_kv_heads: 4,
+        head_dim: 64,
+    },
+    QkvLayout {
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+    },
+    QkvLayout {
+        num_heads: 16,
+        num_kv_heads: 2,
+        head_dim: 128,
+    },
+    QkvLayout {
+        num_heads: 12,
+        num_kv_heads: 3,
+        head_dim: 128,
+    },
+    QkvLayout {
+        num_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 32,
+    },
+    QkvLayout {
+        num_heads: 14,
+        num_kv_heads: 2,
+        head_dim: 64,
+    },
+];
+
+pub fn rope_qk_norm_and_kv_write_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(2);
+    for &dtype in d.activations {
+        for layout in LAYOUTS {
+            let rows = 7;
+            let (rl, hd) = (layout.row_len(), layout.head_dim);
+            let qkv = round(&randn(&mut rng, rows * rl), dtype);
+            let pos: Vec<i32> = (0..rows).map(|_| rng.random_range(0..50)).collect();
+            let table = cos_sin_table(50, hd);
+            let mut gq = up(g, &qkv, dtype);
+            g.rope(
+                &mut gq,
+                layout,
+                &up_i32(g, &pos),
+                rows,
+                &up(g, &table, DType::F32),
+                hd,
+            );
+            let mut cq = up(&c, &qkv, DType::F32);
+            c.rope(
+                &mut cq,
+                layout,
+                &up_i32(&c, &pos),
+                rows,
+                &up(&c, &table, DType::F32),
+                hd,
+            );
+            check(
+                &g.download_f32(&gq, rows * rl).unwrap(),
+                &c.download_f32(&cq, rows * rl).unwrap(),
+                dtype,
+                &format!("rope {dtype} {layout:?}"),
+            );
+
+            let (qw, kw) = (randn(&mut rng, hd), randn(&mut rng, hd));
+            let mut gq = up(g, &qkv, dtype);
+            g.qk_norm(
+                &mut gq,
+                layout,
+                rows,
+                &up(g, &qw, DType::F32),
+                &up(g, &kw, DType::F32),
+                1e-6,
+            );
+            let mut cq = up(&c, &qkv, DType::F32);
+            c.qk_norm(
+                &mut cq,
+                layout,
+                rows,
+                &up(&c, &qw, DType::F32),
+                &up(&c, &kw, DType::F32),
+                1e-6,
+            );
+            check(
+                &g.download_f32(&gq, rows * rl).unwrap(),
+                &c.download_f32(&cq, rows * rl).unwrap(),
+                dtype,
+                &format!("qk_norm {dtype} {layout:?}"),
+            );
+
+            for cache_dtype in (d.caches)(dtype) {
+                let cache = CacheLayout {
+                    num_blocks: 5,
+                    block_size: 16,
+                };
+                let n = cache.num_blocks * cache.block_size * layout.kv_len();
+                let init = round(&randn(&mut rng, n), cache_dtype);
+                let mut slots: Vec<i32> = (0..80).collect();
+                slots.shuffle(&mut rng);
+                slots.truncate(rows);
+                slots[3] = -1;
+                let (mut gk, mut gv) = (up(g, &init, cache_dtype), up(g, &init, cache_dtype));
+                g.kv_write(
+                    &up(g, &qkv, dtype),
+                    layout,
+                    &up_i32(g, &slots),
+                    rows,
+                    cache,
+                    &mut gk,
+                    &mut gv,
+                );
+                let (mut ck, mut cv) = (up(&c, &init, DType::F32), up(&c, &init, DType::F32));
+                c.kv_write(
+                    &up(&c, &qkv, DType::F32),
+                    layout,
+                    &up_i32(&c, &slots),
+                    rows,
+                    cache,
+                    &mut ck,
+                    &mut cv,
+                );
+                let worse = worse(dtype, cache_dtype);
+                for (gb, cb, what) in [(&gk, &ck, "keys"), (&gv, &cv, "values")] {
+                    let want = round(&c.download_f32(cb, n).unwrap(), cache_dtype);
+                    check(
+                        &g.download_f32(gb, n).unwrap(),
+                        &want,
+                        worse,
+                        &format!("kv_write {what} {dtype} into {cache_dtype} {layout:?}"),
+                    );
+                }
+
+                // The fused rope + kv_write against the two CPU ops.
+                let (mut gk, mut gv) = (up(g, &init, cache_dtype), up(g, &init, cache_dtype));
+                let mut gq = up(g, &qkv, dtype);
+                g.rope_kv_write(
+                    &mut gq,
+                    layout,
+                    &up_i32(g, &pos),
+                    rows,
+                    &up(g, &table, DType::F32),
+                    hd,
+                    &up_i32(g, &slots),
+                    cache,
+                    &mut gk,
+                    &mut gv,
+                );
+                let (mut ck, mut cv) = (up(&c, &init, DType::F32), up(&c, &init, DType::F32));
+                let mut cq = up(&c, &qkv, DType::F32);
+                c.rope(
+                    &mut cq,
+                    layout,
+                    &up_i32(&c, &pos),
+                    rows,
+                    &up(&c, &table, DType::F32),
+                    hd,
+                );
+                c.kv_write(
+                    &cq,
+                    layout,
+                    &up_i32(&c, &slots),
+                    rows,
+                    cache,
+                    &mut ck,
+                    &mut cv,
+                );
+                check(
+                    &g.download_f32(&gq, rows * rl).unwrap(),
+                    &c.download_f32(&cq, rows * rl).unwrap(),
+                    dtype,
+                    &format!("rope_kv_write queries {dtype} {layout:?}"),
+                );
+                for (gb, cb, what) in [(&gk, &ck, "keys"), (&gv, &cv, "values")] {
+                    let want = round(&c.download_f32(cb, n).unwrap(), cache_dtype);
+                    check(
+                        &g.download_f32(gb, n).unwrap(),
+                        &want,
+                        worse,
+                        &format!("rope_kv_write {what} {dtype} into {cache_dtype} {layout:?}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(3);
+    let shapes = [
+        (1, 1, 16),
+        (1, 17, 64),
+        (2, 131, 96),
+        (3, 100, 33),
+        (7, 512, 576),
+        (64, 256, 128),
+        (130, 33, 200),
+        (257, 1000, 1024),
+    ];
+    for &dtype in d.activations {
+        let mut outs = vec![dtype, DType::F32];
+        outs.dedup();
+        for (wd, out_dtype) in (d.weights)(dtype)
+            .into_iter()
+            .flat_map(|w| outs.iter().map(move |&o| (w, o)))
+        {
+            for (m, n, k) in shapes {
+                for (bias, col) in [(false, 0), (true, 3)] {
+                    let x = round(&randn(&mut rng, m * k), dtype);
+                    let w: Vec<f32> = randn(&mut rng, n * k)
+                        .iter()
+                        .map(|v| v / (k as f32).sqrt())
+                        .collect();
+                    let w = round(&w, wd);
+                    let b = randn(&mut rng, n);
+                    let ld = n + 2 * col;
+                    let mut out = poisoned(g, out_dtype, m * ld);
+                    let gb = up(g, &b, DType::F32);
+                    g.matmul(
+                        &up(g, &x, dtype),
+                        &up(g, &w, wd),
+                        bias.then_some(&gb),
+                        m,
+                        n,
+                        k,
+                        MatmulOut {
+                            buf: &mut out,
+                            row_stride: ld,
+                            col_offset: col,
+                        },
+                    );
+                    let mut want = c.alloc(DType::F32, m * ld).unwrap();
+                    let cb = up(&c, &b, DType::F32);
+                    c.matmul(
+                        &up(&c, &x, DType::F32),
+                        &up(&c, &w, DType::F32),
+                        bias.then_some(&cb),
+                        m,
+                        n,
+                        k,
+                        MatmulOut {
+                            buf: &mut want,
+                            row_stride: ld,
+                            col_offset: col,
+                        },
+                    );
+                    let got = g.download_f32(&out, m * ld).unwrap();
+                    let want = c.download_f32(&want, m * ld).unwrap();
+                    let cols = |v: &[f32]| -> Vec<f32> {
+                        v.chunks(ld)
+                            .flat_map(|r| r[col..col + n].to_vec())
+                            .collect()
+                    };
+                    let what =
+                        format!("matmul {dtype}x{wd}->{out_dtype} m{m} n{n} k{k} bias {bias}");
+                    let outside = got
+                        .chunks(ld)
+                        .all(|r| r[..col].iter().chain(&r[col + n..]).all(|v| v.is_nan()));
+                    assert!(outside, "{what}: wrote outside its columns");
+                    check(&cols(&got), &cols(&want), worse(dtype, out_dtype), &what);
+                }
+            }
+        }
+    }
+}
+
+pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(8);
+    for &dtype in d.activations {
+        let shapes = [
+            (1, 96, 64),
+            (2, 131, 200),
+            (4, 4096, 1408),
+            (7, 33, 96),
+            (19, 70, 130),
+        ];
+        for ((m, n, ffn), wd) in shapes
+            .into_iter()
+            .flat_map(|s| (d.weights)(dtype).into_iter().map(move |w| (s, w)))
+        {
+            let gu = round(&randn(&mut rng, m * 2 * ffn), dtype);
+            let w: Vec<f32> = randn(&mut rng, n * ffn)
+                .iter()
+                .map(|v| v / (ffn as f32).sqrt())
+                .collect();
+            let w = round(&w, wd);
+            let mut out = poisoned(g, dtype, m * n);
+            let mut act = poisoned(g, dtype, m * ffn);
+            g.silu_mul_matmul(
+                &up(g, &gu, dtype),
+                &mut act,
+                &up(g, &w, wd),
+                m,
+                n,
+                ffn,
+                MatmulOut {
+                    buf: &mut out,
+                    row_stride: n,
+                    col_offset: 0,
+                },
+            );
+            let mut want = c.alloc(DType::F32, m * n).unwrap();
+            let mut cact = c.alloc(DType::F32, m * ffn).unwrap();
+            c.silu_mul_matmul(
+                &up(&c, &gu, DType::F32),
+                &mut cact,
+                &up(&c, &w, DType::F32),
+                m,
+                n,
+                ffn,
+                MatmulOut {
+                    buf: &mut want,
+                    row_stride: n,
+                    col_offset: 0,
+                },
+            );
+            check(
+                &g.download_f32(&out, m * n).unwrap(),
+                &c.download_f32(&want, m * n).unwrap(),
+                dtype,
+                &format!("silu_mul_matmul {dtype}x{wd} m{m} n{n} ffn{ffn}"),
+            );
+        }
+    }
+}
+
+/// A sequence of a batch: `cached` tokens already in the cache, `new` query tokens.
+#[derive(Clone, Copy, Debug)]
+struct Seq {
+    cached: usize,
+    new: usize,
+}
+
+/// One paged-attention case: a cache holding every sequence's context but the new tokens,
+/// whose keys and values are in the queries' QKV rows.
+struct AttentionCase {
+    layout: QkvLayout,
+    cache: CacheLayout,
+    seqs: Vec<Seq>,
+    max_blocks: usize,
+    k_cache: Vec<f32>,
+    v_cache: Vec<f32>,
+    qkv: Vec<f32>,
+    slots: Vec<i32>,
+    qsl: Vec<i32>,
+    lens: Vec<i32>,
+    tables: Vec<i32>,
+}
+
+impl AttentionCase {
+    fn new(
+        rng: &mut StdRng,
+        layout: QkvLayout,
+        block_size: usize,
+        seqs: &[Seq],
+        dtype: DType,
+        cache_dtype: DType,
+    ) -> AttentionCase {
+        let kvl = layout.kv_len();
+        let max_blocks = seqs
+            .iter()
+            .map(|s| (s.cached + s.new).div_ceil(block_size))
+            .max()
+            .unwrap();
+        let num_blocks = seqs.len() * max_blocks + 3;
+        let mut physical: Vec<i32> = (0..num_blocks as i32).collect();
+        physical.shuffle(rng);
+        let mut tables = vec![0i32; seqs.len() * max_blocks];
+        for (s, t) in tables.chunks_mut(max_blocks).enumerate() {
+            t.copy_from_slice(&physical[s * max_blocks..(s + 1) * max_blocks]);
+        }
+        let n_cache = num_blocks * block_size * kvl;
+        // Keys larger than the queries make the softmax peaked, as in real models.
+        let k: Vec<f32> = randn(rng, n_cache).iter().map(|v| v * 2.0).collect();
+        let (k_cache, v_cache) = (
+            round(&k, cache_dtype),
+            round(&randn(rng, n_cache), cache_dtype),
+        );
+        let (mut qkv, mut slots, mut qsl, mut lens) = (vec![], vec![], vec![0i32], vec![]);
+        for (s, seq) in seqs.iter().enumerate() {
+            for p in seq.cached..seq.cached + seq.new {
+                qkv.extend(randn(rng, layout.row_len()));
+                let block = tables[s * max_blocks + p / block_size] as usize;
+                slots.push((block * block_size + p % block_size) as i32);
+            }
+            qsl.push(qsl.last().unwrap() + seq.new as i32);
+            lens.push((seq.cached + seq.new) as i32);
+        }
+        AttentionCase {
+            layout,
+            cache: CacheLayout {
+                num_blocks,
+                block_size,
+            },
+            seqs: seqs.to_vec(),
+            max_blocks,
+            k_cache,
+            v_cache,
+            qkv: round(&qkv, dtype),
+            slots,
+            qsl,
+            lens,
+            tables,
+        }
+    }
+
+    /// Attention of the first `num_seqs` sequences on `b`, in `dtype` with a `cache_dtype`
+    /// cache; `out` is the (poisoned) output buffer.
+    fn run<B: Backend>(
+        &self,
+        b: &B,
+        num_seqs: usize,
+        dtype: DType,
+        cache_dtype: DType,
+        mut out: B::Buffer,
+    ) -> Vec<f32> {
+        let layout = self.layout;
+        let rows = self.qsl[num_seqs] as usize;
+        let (mut kc, mut vc) = (
+            up(b, &self.k_cache, cache_dtype),
+            up(b, &self.v_cache, cache_dtype),
+        );
+        let q = up(b, &self.qkv[..rows * layout.row_len()], dtype);
+        b.kv_write(
+            &q,
+            layout,
+            &up_i32(b, &self.slots[..rows]),
+            rows,
+            self.cache,
+            &mut kc,
+            &mut vc,
+        );
+        let (qslb, lensb, tb) = (
+            up_i32(b, &self.qsl[..=num_seqs]),
+            up_i32(b, &self.lens[..num_seqs]),
+            up_i32(b, &self.tables[..num_seqs * self.max_blocks]),
+        );
+        let meta = AttentionMetadata {
+            query_start_loc: &qslb,
+            seq_lens: &lensb,
+            block_tables: &tb,
+            num_seqs,
+            max_blocks_per_seq: self.max_blocks,
+            max_query_len: self.seqs[..num_seqs].iter().map(|s| s.new).max().unwrap(),
+        };
+        let mut ws = b
+            .alloc(
+                DType::F32,
+                b.attention_workspace_len(layout, num_seqs).max(1),
+            )
+            .unwrap();
+        let scale = 1.0 / (layout.head_dim as f32).sqrt();
+        b.paged_attention(
+            &q, layout, rows, &meta, self.cache, &kc, &vc, scale, &mut ws, &mut out,
+        );
+        b.download_f32(&out, rows * layout.q_len()).unwrap()
+    }
+
+    fn rows(&self) -> usize {
+        *self.qsl.last().unwrap() as usize
+    }
+}
+
+pub fn paged_attention_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(4);
+    let s = |cached, new| Seq { cached, new };
+    let batches: [(&str, Vec<Seq>); 4] = [
+        (
+            "mixed",
+            vec![
+                s(0, 21),
+                s(15, 2),
+                s(33, 1),
+                s(0, 1),
+                s(16, 17),
+                s(100, 130),
+            ],
+        ),
+        (
+            "decode",
+            [0, 1, 14, 15, 16, 99, 512, 1000, 4095, 8191]
+                .iter()
+                .map(|&n| s(n, 1))
+                .collect(),
+        ),
+        (
+            "prefix",
+            vec![s(300, 200), s(0, 257), s(1000, 64), s(63, 65)],
+        ),
+        ("one", vec![s(0, 1)]),
+    ];
+    for layout in LAYOUTS {
+        for (name, seqs) in &batches {
+            for &dtype in d.activations {
+                for cache_dtype in (d.caches)(dtype) {
+                    if cache_dtype == DType::F32 && dtype == DType::F32 && name == &"one" {
+                        continue;
+                    }
+                    let block_size = if layout.head_dim == 32 { 8 } else { 16 };
+                    let case =
+                        AttentionCase::new(&mut rng, layout, block_size, seqs, dtype, cache_dtype);
+                    let n = case.rows() * layout.q_len();
+                    let got = case.run(g, seqs.len(), dtype, cache_dtype, poisoned(g, dtype, n));
+                    let want = case.run(
+                        &c,
+                        seqs.len(),
+                        DType::F32,
+                        DType::F32,
+                        c.alloc(DType::F32, n).unwrap(),
+                    );
+                    check(
+                        &got,
+                        &want,
+                        worse(dtype, cache_dtype),
+                        &format!(
+                            "attention {name} {dtype}/{cache_dtype} {layout:?} block {block_size}"
+                        ),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A decode's attention is bitwise the same alone and in any batch: its context split
+/// depends on its own length only.
+pub fn decode_attention_does_not_depend_on_the_batch<G: Backend>(
+    g: &G,
+    dtype: DType,
+    cache_dtype: DType,
+) {
+    let mut rng = StdRng::seed_from_u64(5);
+    let layout = LAYOUTS[2];
+    for first in [5usize, 700, 3000] {
+        let seqs: Vec<Seq> = [first, 64, 5000, 1]
+            .iter()
+            .map(|&n| Seq { cached: n, new: 1 })
+            .collect();
+        let case = AttentionCase::new(&mut rng, layout, 16, &seqs, dtype, cache_dtype);
+        let n = layout.q_len();
+        let together = case.run(
+            g,
+            seqs.len(),
+            dtype,
+            cache_dtype,
+            poisoned(g, dtype, seqs.len() * n),
+        );
+        let alone = case.run(g, 1, dtype, cache_dtype, poisoned(g, dtype, n));
+        assert_eq!(together[..n], alone[..], "context {first}");
+    }
+}
+
+pub fn argmax_picks_the_first_maximum_like_the_cpu<G: Backend>(g: &G) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(6);
+    for vocab in [1, 2, 1000, 1023, 1025, 128256, 151936] {
+        let rows = 5;
+        let mut logits = randn(&mut rng, rows * vocab);
+        // Ties: row 1 repeats its maximum later; row 2 is all equal; row 3 is all -inf.
+        if vocab > 3 {
+            let m = logits[vocab..2 * vocab]
+                .iter()
+                .cloned()
+                .fold(f32::MIN, f32::max);
+            logits[vocab + vocab / 2] = m;
+            logits[vocab + vocab - 1] = m;
+            logits[2 * vocab..3 * vocab]
+                .iter_mut()
+                .for_each(|v| *v = 0.5);
+            logits[3 * vocab..4 * vocab]
+                .iter_mut()
+                .for_each(|v| *v = f32::NEG_INFINITY);
+        }
+        let mut out = g.alloc(DType::I32, rows).unwrap();
+        g.argmax(&up(g, &logits, DType::F32), rows, vocab, &mut out);
+        let mut want = c.alloc(DType::I32, rows).unwrap();
+        c.argmax(&up(&c, &logits, DType::F32), rows, vocab, &mut want);
+        assert_eq!(
+            g.download_i32(&out, rows).unwrap(),
+            c.download_i32(&want, rows).unwrap(),
+            "vocab {vocab}"
+        );
+    }
+}
+
+/// Runs `Backend::sample` and returns the ids and the rows it leaves in `logits`.
+fn sample_on<B: Backend>(
+    b: &B,
+    rows: &[SampleRow],
+    edits: &[LogitEdit],
+    logits: &[f32],
+    vocab: usize,
+) -> (Vec<i32>, Vec<f32>) {
+    let mut l = up(b, logits, DType::F32);
+    let p = up_i32(b, bytemuck::cast_slice(rows));
+    let e = up_i32(b, bytemuck::cast_slice(edits));
+    let mut out = b.alloc(DType::I32, rows.len()).unwrap();
+    b.sample(&mut l, rows.len(), vocab, &p, &e, &mut out);
+    let ids = b.download_i32(&out, rows.len()).unwrap();
+    (ids, b.download_f32(&l, logits.len()).unwrap())
+}
+
+/// Sampling on the device picks exactly the CPU reference's token for the same uniform
+/// draws: edits, argmax, top-k, top-p and min-p alone and together, on real vocab sizes.
+pub fn sampling_picks_the_cpu_reference_token<G: Backend>(g: &G) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(7);
+    for vocab in [7, 1000, 1025, 49152, 128256] {
+        let mut rows = vec![];
+        let mut edits = vec![];
+        for r in 0..40 {
+            let start = edits.len() as u32;
+            let mut tokens: Vec<u32> = (0..vocab as u32).collect();
+            tokens.shuffle(&mut rng);
+            for &t in tokens.iter().take(rng.random_range(0..vocab.min(300))) {
+                edits.push(LogitEdit {
+                    token: t,
+                    bias: rng.random_range(-2.0..2.0),
+                    repetition: rng.random_range(0.8..1.5),
+                    subtract: if rng.random_bool(0.05) {
+                        f32::INFINITY
+                    } else {
+                        rng.random_range(0.0..1.0)
+                    },
+                });
+            }
+            rows.push(SampleRow {
+                temperature: [0.0, 0.3, 0.7, 1.0, 1.5][r % 5],
+                top_k: [0, 1, 5, 50, 2000][(r / 5) % 5],
+                top_p: [1.0, 0.9, 0.5, 0.01][(r / 2) % 4],
+                min_p: [0.0, 0.0, 0.05, 0.3][(r / 3) % 4],
+                uniform: rng.random_range(0.0..1.0),
+                edit_start: start,
+                edit_end: edits.len() as u32,
+                pad: 0,
+            });
+        }
+        let n = rows.len();
+        let logits: Vec<f32> = (0..n * vocab)
+            .map(|_| rng.random_range(-8.0f32..8.0))
+            .collect();
+        let (got, got_logits) = sample_on(g, &rows, &edits, &logits, vocab);
+        let (want, want_logits) = sample_on(&c, &rows, &edits, &logits, vocab);
+        // Greedy rows keep the edited logits, exactly; drawn rows their probabilities,
+        // which differ by the last bits of the exponentials.
+        for (r, p) in rows.iter().enumerate() {
+            let (g, w) = (
+                &got_logits[r * vocab..][..vocab],
+                &want_logits[r * vocab..][..vocab],
+            );
+            if p.temperature == 0.0 {
+                assert_eq!(g, w, "edited logits, vocab {vocab}, row {r}");
+            } else {
+                let worst = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    worst <= 1e-6,
+                    "probabilities, vocab {vocab}, row {r}: {worst}"
+                );
+            }
+        }
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "vocab {vocab}, row {r}: {:?}", rows[r]);
+        }
+    }
+}
+
+/// A recorded (graph) replay computes what the ops compute eagerly, on new buffer contents.
+pub fn recorded_steps_replay_on_new_inputs<G: Backend>(g: &G, dtype: DType) {
+    let mut rng = StdRng::seed_from_u64(7);
+    let (rows, dim) = (4, 576);
+    let w = up(g, &randn(&mut rng, dim), DType::F32);
+    let mut x = g.alloc(dtype, rows * dim).unwrap();
+    let mut out = g.alloc(dtype, rows * dim).unwrap();
+    let mut eager = g.alloc(dtype, rows * dim).unwrap();
+    for round in 0..3 {
+        let v = randn(&mut rng, rows * dim);
+        g.upload(&mut x, &bytes(&v, dtype)).unwrap();
+        g.run_recorded(7, &mut || g.rms_norm(&x, &w, 1e-5, rows, dim, &mut out))
+            .unwrap();
+        g.rms_norm(&x, &w, 1e-5, rows, dim, &mut eager);
+        assert_eq!(
+            g.download_f32(&out, rows * dim).unwrap(),
+            g.download_f32(&eager, rows * dim).unwrap(),
+            "round {round}"
+        );
+    }
+}

@@ -1,0 +1,104 @@
+//! The conformance suite (`conformance/mod.rs`) on the wgpu backend: f32 activations,
+//! f32/f16/bf16 weights and KV caches, once with the adapter's SHADER_F16 and SUBGROUP
+//! features and once without (packed f16 pairs, workgroup-memory reductions).
+//!
+//! They run on the first adapter wgpu finds: Mesa's lavapipe in CI (`make test` installs
+//! it), a GPU through Vulkan or Metal elsewhere. Without any adapter they fail.
+#![cfg(feature = "wgpu")]
+
+mod conformance;
+
+use conformance::{Dtypes, FLOATS};
+use ingot_backend::wgpu::{Options, WgpuBackend};
+use ingot_backend::DType;
+
+const DTYPES: Dtypes = Dtypes {
+    activations: &[DType::F32],
+    weights: |_| FLOATS.to_vec(),
+    caches: |_| FLOATS.to_vec(),
+};
+
+/// The backend with every feature, then with none.
+fn backends() -> Vec<WgpuBackend> {
+    [
+        Options::default(),
+        Options {
+            shader_f16: false,
+            subgroup: false,
+        },
+    ]
+    .into_iter()
+    .map(|o| {
+        let b = WgpuBackend::new(0, o).unwrap_or_else(|e| panic!("no wgpu adapter: {e:#}"));
+        println!(
+            "{} with {:?}",
+            ingot_backend::Backend::name(&b),
+            b.features()
+        );
+        b
+    })
+    .collect()
+}
+
+#[test]
+fn row_ops_match_the_cpu() {
+    for g in backends() {
+        conformance::row_ops_match_the_cpu(&g, &DTYPES);
+    }
+}
+
+#[test]
+fn rope_qk_norm_and_kv_write_match_the_cpu() {
+    for g in backends() {
+        conformance::rope_qk_norm_and_kv_write_match_the_cpu(&g, &DTYPES);
+    }
+}
+
+#[test]
+fn matmul_matches_the_cpu_and_writes_only_its_columns() {
+    for g in backends() {
+        conformance::matmul_matches_the_cpu_and_writes_only_its_columns(&g, &DTYPES);
+    }
+}
+
+#[test]
+fn silu_mul_matmul_matches_the_cpu() {
+    for g in backends() {
+        conformance::silu_mul_matmul_matches_the_cpu(&g, &DTYPES);
+    }
+}
+
+#[test]
+fn paged_attention_matches_the_cpu() {
+    for g in backends() {
+        conformance::paged_attention_matches_the_cpu(&g, &DTYPES);
+    }
+}
+
+#[test]
+fn decode_attention_does_not_depend_on_the_batch() {
+    for g in backends() {
+        conformance::decode_attention_does_not_depend_on_the_batch(&g, DType::F32, DType::F16);
+    }
+}
+
+#[test]
+fn argmax_picks_the_first_maximum_like_the_cpu() {
+    for g in backends() {
+        conformance::argmax_picks_the_first_maximum_like_the_cpu(&g);
+    }
+}
+
+#[test]
+fn sampling_picks_the_cpu_reference_token() {
+    for g in backends() {
+        conformance::sampling_picks_the_cpu_reference_token(&g);
+    }
+}
+
+#[test]
+fn recorded_steps_replay_on_new_inputs() {
+    for g in backends() {
+        conformance::recorded_steps_replay_on_new_inputs(&g, DType::F32);
+    }
+}
