@@ -1,9 +1,11 @@
 """Starts `ingot serve` on the real test model for the API tests.
 
-INGOT_BIN names the binary (default target/debug/ingot, built by `cargo test`), and
-INGOT_TEST_MODEL the model (default: the path scripts/fetch-test-model prints).
+INGOT_BIN names the binary (default target/debug/ingot, built by `cargo test`),
+INGOT_TEST_MODEL the model (default: the path scripts/fetch-test-model prints), and
+INGOT_SERVE_ARGS extra flags for `ingot serve` (e.g. `--device wgpu`).
 """
 import os
+import shlex
 import socket
 import subprocess
 import time
@@ -34,7 +36,8 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [binary, "serve", "--model", _model_path(), "--host", "127.0.0.1", "--port", str(self.port),
-             "--served-model-name", MODEL_NAME, "--max-model-len", "2048", *extra],
+             "--served-model-name", MODEL_NAME, "--max-model-len", "2048",
+             *shlex.split(os.environ.get("INGOT_SERVE_ARGS", "")), *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.time() + 60
