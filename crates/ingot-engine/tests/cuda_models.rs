@@ -6,14 +6,12 @@
 mod common;
 
 use common::{cases, top_ids};
-use ingot_backend::cpu::CpuBackend;
 use ingot_backend::cuda::CudaBackend;
 use ingot_core::SamplingParams;
 use ingot_engine::{Engine, EngineConfig};
-use ingot_model::synthetic::{Dtype, SyntheticSpec};
+use ingot_model::synthetic::Dtype;
 use ingot_model::testing::test_model_path;
-use ingot_model::{Arch, WeightDType};
-use rand::{Rng, SeedableRng};
+use ingot_model::WeightDType;
 use std::sync::Arc;
 
 fn gpu() -> CudaBackend {
@@ -23,54 +21,14 @@ fn gpu() -> CudaBackend {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn synthetic_models_match_the_cpu() {
-    for arch in [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3] {
-        for (stored, dtype, tol) in [
+    common::synthetic_models_match_the_cpu(
+        gpu,
+        &[
             (Dtype::F32, WeightDType::F32, 1e-4),
             (Dtype::BF16, WeightDType::Auto, 3e-2),
             (Dtype::F16, WeightDType::Auto, 1e-2),
-        ] {
-            let spec = SyntheticSpec {
-                dtype: stored,
-                ..SyntheticSpec::tiny(arch)
-            };
-            let dir = std::env::temp_dir().join(format!(
-                "ingot-cuda-{arch:?}-{stored:?}-{}",
-                std::process::id()
-            ));
-            spec.write(&dir).unwrap();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-            let seqs: Vec<Vec<u32>> = [1usize, 15, 16, 17, 40, 33, 150]
-                .iter()
-                .map(|&n| {
-                    (0..n)
-                        .map(|_| rng.random_range(0..spec.vocab_size as u32))
-                        .collect()
-                })
-                .collect();
-            let mut cpu = common::runner(&dir, dtype, 24, 4, 512, 64);
-            let mut gpu = common::runner_on(gpu(), &dir, dtype, 24, 4, 512, 64);
-            let want = common::run_mixed(&mut cpu, &seqs, 11);
-            let got = common::run_mixed(&mut gpu, &seqs, 11);
-            assert_eq!(got.len(), want.len());
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| {
-                    assert_eq!((g.seq, g.pos), (w.seq, w.pos));
-                    common::rel_err(&g.logits, &w.logits)
-                })
-                .fold(0f32, f32::max);
-            println!(
-                "{arch:?} {stored:?}: {} logit rows, max relative error {worst:.2e}",
-                got.len()
-            );
-            assert!(
-                worst <= tol,
-                "{arch:?} {stored:?}: relative logit error {worst}"
-            );
-            std::fs::remove_dir_all(&dir).ok();
-        }
-    }
+        ],
+    );
 }
 
 fn real_runner(dtype: WeightDType) -> ingot_engine::ModelRunner<CudaBackend> {
@@ -229,29 +187,7 @@ fn greedy_tokens_across_batches_and_budgets() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn cpu_and_cuda_engines_agree_in_f32() {
-    let path = test_model_path().expect("the test model (INGOT_TEST_MODEL)");
-    let config = EngineConfig {
-        max_num_seqs: 8,
-        max_model_len: Some(1024),
-        kv_cache_memory: Some(256 << 20),
-        ..EngineConfig::default()
-    };
-    let ps: Vec<Vec<u32>> = cases().iter().take(4).map(|c| c.prompt.clone()).collect();
-    let cpu = CpuBackend::new(None).unwrap();
-    let (m, t) = ingot_model::load(&cpu, &path, WeightDType::F32).unwrap();
-    let mut ce = Engine::new(cpu, m, Arc::new(t), config.clone()).unwrap();
-    let g = gpu();
-    let (m, t) = ingot_model::load(&g, &path, WeightDType::F32).unwrap();
-    let mut ge = Engine::new(g, m, Arc::new(t), config).unwrap();
-    let params = SamplingParams::greedy(12);
-    let want = ce
-        .generate(ps.clone(), &vec![params.clone(); ps.len()])
-        .unwrap();
-    let got = ge.generate(ps.clone(), &vec![params; ps.len()]).unwrap();
-    for (g, w) in got.iter().zip(&want) {
-        assert_eq!(g.completions[0].token_ids, w.completions[0].token_ids);
-        assert_eq!(g.completions[0].text, w.completions[0].text);
-    }
+    common::cpu_engine_agrees_in_f32(gpu());
 }
 
 /// Sampling on the device: a seed repeats its tokens and another seed changes them, top-k 1

@@ -318,11 +318,15 @@ impl WgpuBackend {
         Ok(out[..bytes].to_vec())
     }
 
-    fn check_binding(&self, bytes: u64) -> Result<()> {
-        let max = self
-            .limits
+    /// The largest buffer a kernel may bind: both limits apply to every buffer here.
+    fn max_binding(&self) -> u64 {
+        self.limits
             .max_storage_buffer_binding_size
-            .min(self.limits.max_buffer_size);
+            .min(self.limits.max_buffer_size)
+    }
+
+    fn check_binding(&self, bytes: u64) -> Result<()> {
+        let max = self.max_binding();
         ensure!(
             bytes <= max,
             "a buffer of {bytes} bytes exceeds this adapter's limit of {max} bytes per buffer \
@@ -364,11 +368,7 @@ impl Backend for WgpuBackend {
     }
 
     fn max_buffer_bytes(&self) -> Option<usize> {
-        let max = self
-            .limits
-            .max_storage_buffer_binding_size
-            .min(self.limits.max_buffer_size);
-        Some(usize::try_from(max).unwrap_or(usize::MAX))
+        Some(usize::try_from(self.max_binding()).unwrap_or(usize::MAX))
     }
 
     fn alloc(&self, dtype: DType, numel: usize) -> Result<WgpuBuffer> {

@@ -246,3 +246,88 @@ pub fn top_ids(logits: &[f32], k: usize) -> Vec<u32> {
     idx.truncate(k);
     idx
 }
+
+/// Every synthetic architecture in each `(stored, dtype, tolerance)` case, on a backend
+/// `device()` opens, against the CPU: mixed prefill/decode steps, logits within the
+/// case's relative tolerance.
+pub fn synthetic_models_match_the_cpu<B: Backend>(
+    device: impl Fn() -> B,
+    cases: &[(ingot_model::synthetic::Dtype, WeightDType, f32)],
+) {
+    use ingot_model::synthetic::SyntheticSpec;
+    use ingot_model::Arch;
+    for arch in [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3] {
+        for &(stored, dtype, tol) in cases {
+            let spec = SyntheticSpec {
+                dtype: stored,
+                ..SyntheticSpec::tiny(arch)
+            };
+            let dir = std::env::temp_dir().join(format!(
+                "ingot-device-{arch:?}-{stored:?}-{}",
+                std::process::id()
+            ));
+            spec.write(&dir).unwrap();
+            let mut rng = StdRng::seed_from_u64(3);
+            let seqs: Vec<Vec<u32>> = [1usize, 15, 16, 17, 40, 33, 150]
+                .iter()
+                .map(|&n| {
+                    (0..n)
+                        .map(|_| rng.random_range(0..spec.vocab_size as u32))
+                        .collect()
+                })
+                .collect();
+            let mut cpu = runner(&dir, dtype, 24, 4, 512, 64);
+            let mut gpu = runner_on(device(), &dir, dtype, 24, 4, 512, 64);
+            let want = run_mixed(&mut cpu, &seqs, 11);
+            let got = run_mixed(&mut gpu, &seqs, 11);
+            assert_eq!(got.len(), want.len());
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| {
+                    assert_eq!((g.seq, g.pos), (w.seq, w.pos));
+                    rel_err(&g.logits, &w.logits)
+                })
+                .fold(0f32, f32::max);
+            println!(
+                "{arch:?} {stored:?}: {} logit rows, max relative error {worst:.2e}",
+                got.len()
+            );
+            assert!(
+                worst <= tol,
+                "{arch:?} {stored:?}: relative logit error {worst}"
+            );
+            std::fs::remove_dir_all(&dir).ok();
+        }
+    }
+}
+
+/// The CPU engine and an engine on `backend` give the same greedy text for the first
+/// fixtures' prompts at f32.
+pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
+    use ingot_core::SamplingParams;
+    use ingot_engine::{Engine, EngineConfig};
+    use std::sync::Arc;
+    let path = ingot_model::testing::test_model_path().expect("the test model (INGOT_TEST_MODEL)");
+    let config = EngineConfig {
+        max_num_seqs: 8,
+        max_model_len: Some(1024),
+        kv_cache_memory: Some(256 << 20),
+        ..EngineConfig::default()
+    };
+    let ps: Vec<Vec<u32>> = cases().iter().take(4).map(|c| c.prompt.clone()).collect();
+    let cpu = CpuBackend::new(None).unwrap();
+    let (m, t) = ingot_model::load(&cpu, &path, WeightDType::F32).unwrap();
+    let mut ce = Engine::new(cpu, m, Arc::new(t), config.clone()).unwrap();
+    let (m, t) = ingot_model::load(&backend, &path, WeightDType::F32).unwrap();
+    let mut ge = Engine::new(backend, m, Arc::new(t), config).unwrap();
+    let params = SamplingParams::greedy(12);
+    let want = ce
+        .generate(ps.clone(), &vec![params.clone(); ps.len()])
+        .unwrap();
+    let got = ge.generate(ps.clone(), &vec![params; ps.len()]).unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.completions[0].token_ids, w.completions[0].token_ids);
+        assert_eq!(g.completions[0].text, w.completions[0].text);
+    }
+}
