@@ -4,9 +4,9 @@
 //! Activations run in f32 (the ops that bound a step read weights and the KV cache, which
 //! keep 16-bit formats); matrices are kept as f32, f16 or bf16 (GGUF blocks are converted
 //! to f16 at load); the KV cache may be f32, f16 or bf16. Ops are recorded, not run: each
-//! adds a dispatch to the step's list, and the list goes to the GPU as one compute pass
-//! when the host needs a result (a download, an upload that must not overtake the
-//! recorded ops, or a synchronize).
+//! adds a dispatch to the step's list, which goes to the GPU in compute passes of a few
+//! dozen dispatches as it grows, and at once when the host needs a result (a download, an
+//! upload that must not overtake the recorded ops, or a synchronize).
 
 mod recorder;
 pub mod shader;
@@ -21,8 +21,13 @@ use std::sync::{mpsc, Mutex};
 
 /// Most rows a matmul runs through the GEMV kernel (the kernel's GEMV_ROWS).
 const GEMV_MAX_ROWS: usize = 8;
+/// Most rows a matmul runs through the wide GEMV, 8 rows per dispatch: each dispatch
+/// reads the weights again, which costs less than the tiled GEMM up to here.
+const GEMV_CHUNKED_ROWS: usize = 64;
 /// Output columns of one GEMV workgroup (the kernel's GEMV_COLS).
 const GEMV_COLS: usize = 32;
+/// Most parts the context of a decode row is split into (the decode kernel's max_splits).
+const DECODE_SPLITS: usize = 32;
 /// Workgroups along x of a dispatch; more go to y (the limit is 65535 per dimension).
 const GRID_X: u32 = 32768;
 
@@ -94,13 +99,18 @@ pub fn adapters() -> Vec<wgpu::Adapter> {
     all
 }
 
+/// A kernel's entry point in one dtype variant with values for its override constants.
+type PipelineKey = (&'static str, &'static str, DType, Vec<(&'static str, u32)>);
+
 pub struct WgpuBackend {
     device: wgpu::Device,
     queue: wgpu::Queue,
     features: Features,
     limits: wgpu::Limits,
     name: String,
-    pipelines: Mutex<HashMap<(&'static str, &'static str, DType), wgpu::ComputePipeline>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    /// Whether the adapter is a CPU implementation (lavapipe).
+    cpu_adapter: bool,
     recorder: Mutex<Recorder>,
     /// Bound where a kernel's optional input is absent (a matmul without bias).
     dummy: wgpu::Buffer,
@@ -132,6 +142,11 @@ impl WgpuBackend {
         let mut required = wgpu::Features::empty();
         required.set(wgpu::Features::SHADER_F16, features.shader_f16);
         required.set(wgpu::Features::SUBGROUP, features.subgroup);
+        // For the op profile only.
+        required.set(
+            wgpu::Features::TIMESTAMP_QUERY,
+            offered.contains(wgpu::Features::TIMESTAMP_QUERY),
+        );
         let limits = adapter.limits();
         ensure!(
             adapter
@@ -188,6 +203,7 @@ impl WgpuBackend {
             limits,
             name,
             pipelines: Mutex::new(HashMap::new()),
+            cpu_adapter: info.device_type == wgpu::DeviceType::Cpu,
             recorder: Mutex::new(recorder),
             dummy,
             staging: Mutex::new(None),
@@ -199,18 +215,22 @@ impl WgpuBackend {
         self.features
     }
 
-    /// The pipeline of `entry` in `kernel`'s `dtype` variant, compiled on first use.
+    /// The pipeline of `entry` in `kernel`'s `dtype` variant with `constants` for its
+    /// override constants, compiled on first use.
     fn pipeline(
         &self,
         kernel: &Kernel,
         entry: &'static str,
         dtype: DType,
+        constants: &[(&'static str, u32)],
     ) -> wgpu::ComputePipeline {
-        let key = (kernel.file, entry, dtype);
+        let key = (kernel.file, entry, dtype, constants.to_vec());
         let mut pipelines = self.pipelines.lock().unwrap();
         if let Some(p) = pipelines.get(&key) {
             return p.clone();
         }
+        let constants: Vec<(&str, f64)> =
+            constants.iter().map(|&(k, v)| (k, f64::from(v))).collect();
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(kernel.file),
             source: wgpu::ShaderSource::Wgsl(shader::source(kernel, dtype, self.features).into()),
@@ -230,7 +250,11 @@ impl WgpuBackend {
                 layout: None,
                 module: &module,
                 entry_point: Some(entry),
-                compilation_options: Default::default(),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants: &constants,
+                    // Every kernel writes the workgroup memory it reads first.
+                    zero_initialize_workgroup_memory: false,
+                },
                 cache: None,
             });
         pipelines.insert(key, p.clone());
@@ -251,13 +275,7 @@ impl WgpuBackend {
         if groups == 0 {
             return;
         }
-        let groups = u32::try_from(groups).expect("dispatch too large");
-        let grid = if groups <= GRID_X {
-            [groups, 1, 1]
-        } else {
-            [GRID_X, groups.div_ceil(GRID_X), 1]
-        };
-        self.dispatch_grid(kernel, entry, dtype, params, buffers, grid);
+        self.dispatch_grid(kernel, entry, dtype, params, buffers, grid(groups));
     }
 
     fn dispatch_grid(
@@ -269,24 +287,51 @@ impl WgpuBackend {
         buffers: &[(u32, &wgpu::Buffer)],
         grid: [u32; 3],
     ) {
-        let pipeline = self.pipeline(kernel, entry, dtype);
-        let mut rec = self.recorder.lock().unwrap();
-        if rec.is_full() {
-            rec.flush(&self.device, &self.queue);
-        }
-        rec.record(&self.device, pipeline, params, buffers, grid);
+        let pipeline = self.pipeline(kernel, entry, dtype, &[]);
+        self.record(pipeline, params, buffers, grid, || {
+            format!("{entry} {dtype}")
+        });
     }
 
-    fn flush(&self) {
+    /// Records a dispatch of `pipeline`, counted as `op` in the op profile.
+    fn record(
+        &self,
+        pipeline: wgpu::ComputePipeline,
+        params: &[u32],
+        buffers: &[(u32, &wgpu::Buffer)],
+        grid: [u32; 3],
+        op: impl FnOnce() -> String,
+    ) {
+        self.recorder.lock().unwrap().record(
+            &self.device,
+            &self.queue,
+            pipeline,
+            params,
+            buffers,
+            grid,
+            op,
+        );
+    }
+
+    fn flush(&self) -> Result<()> {
         self.recorder
             .lock()
             .unwrap()
-            .flush(&self.device, &self.queue);
+            .flush(&self.device, &self.queue)
+    }
+
+    /// Waits until every submission has completed.
+    fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
+        self.recorder.lock().unwrap().idle();
+        Ok(())
     }
 
     /// The first `bytes` bytes of `src`, after every recorded op has run.
     fn read_bytes(&self, src: &wgpu::Buffer, bytes: usize) -> Result<Vec<u8>> {
-        self.flush();
+        self.flush()?;
         let size = (bytes.div_ceil(4) * 4) as u64;
         if size == 0 {
             return Ok(vec![]);
@@ -308,14 +353,23 @@ impl WgpuBackend {
         staging.map_async(wgpu::MapMode::Read, ..size, move |r| {
             let _ = tx.send(r);
         });
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
+        self.wait()?;
         rx.recv()?
             .map_err(|e| anyhow!("wgpu: reading a buffer back: {e}"))?;
         let out = staging.get_mapped_range(..size)?.to_vec();
         staging.unmap();
         Ok(out[..bytes].to_vec())
+    }
+
+    /// Threads per output column of the wide GEMV over rows of `k` weights (a multiple of
+    /// 8). A GPU hides memory latency with as many loads in flight as it can hold: 64,
+    /// or fewer where that would leave a thread less than 4 pieces of 8 weights. CPU
+    /// implementations run a workgroup as one SIMD loop, best over few long lanes: 4.
+    fn gemv_lanes(&self, k: usize) -> u32 {
+        if self.cpu_adapter {
+            return 4;
+        }
+        (1u32 << (k / 8 / 4).max(1).ilog2()).clamp(4, 64)
     }
 
     /// The largest buffer a kernel may bind: both limits apply to every buffer here.
@@ -335,6 +389,16 @@ impl WgpuBackend {
             self.limits.max_buffer_size
         );
         Ok(())
+    }
+}
+
+/// `groups` workgroups spread over x and y (a dimension holds at most 65535).
+fn grid(groups: usize) -> [u32; 3] {
+    let groups = u32::try_from(groups).expect("dispatch too large");
+    if groups <= GRID_X {
+        [groups, 1, 1]
+    } else {
+        [GRID_X, groups.div_ceil(GRID_X), 1]
     }
 }
 
@@ -398,7 +462,7 @@ impl Backend for WgpuBackend {
             bytes.len()
         );
         // Queue writes run before the next submission: recorded ops must go first.
-        self.flush();
+        self.flush()?;
         let whole = bytes.len() / 4 * 4;
         self.queue.write_buffer(&dst.buf, 0, &bytes[..whole]);
         if whole < bytes.len() {
@@ -448,12 +512,27 @@ impl Backend for WgpuBackend {
         ))
     }
 
-    fn synchronize(&self) -> Result<()> {
-        self.flush();
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
+    fn start_op_profile(&self) -> Result<()> {
+        ensure!(
+            self.device
+                .features()
+                .contains(wgpu::Features::TIMESTAMP_QUERY),
+            "{}: no op profile without the adapter feature TIMESTAMP_QUERY",
+            self.name
+        );
+        let mut rec = self.recorder.lock().unwrap();
+        rec.flush(&self.device, &self.queue)?;
+        rec.start_profile(&self.device);
         Ok(())
+    }
+
+    fn op_profile(&self) -> Vec<(String, u64, f64)> {
+        self.recorder.lock().unwrap().profile()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.flush()?;
+        self.wait()
     }
 
     fn embedding(
@@ -547,7 +626,34 @@ impl Backend for WgpuBackend {
             (3, bias.map_or(&self.dummy, |b| &b.buf)),
             (4, &out.buf.buf),
         ];
-        if m <= GEMV_MAX_ROWS {
+        let op = |entry: &str| format!("{entry} {} n={n} k={k}", w.dtype);
+        if m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8) {
+            let lanes = self.gemv_lanes(k);
+            let wide = [
+                (5, &x.buf),
+                (6, &w.buf),
+                (3, bias.map_or(&self.dummy, |b| &b.buf)),
+                (4, &out.buf.buf),
+            ];
+            let pipeline = self.pipeline(
+                &shader::MATMUL,
+                "gemv_wide",
+                w.dtype,
+                &[("WIDE_LANES", lanes)],
+            );
+            for row0 in (0..m).step_by(GEMV_MAX_ROWS) {
+                let mut p = p.clone();
+                p[0] = (m - row0).min(GEMV_MAX_ROWS) as u32;
+                p.push(row0 as u32);
+                self.record(
+                    pipeline.clone(),
+                    &p,
+                    &wide,
+                    grid(n.div_ceil((WG / lanes) as usize)),
+                    || format!("{} lanes={lanes}", op("gemv_wide")),
+                );
+            }
+        } else if m <= GEMV_MAX_ROWS {
             self.dispatch(
                 &shader::MATMUL,
                 "gemv",
@@ -558,7 +664,8 @@ impl Backend for WgpuBackend {
             );
         } else {
             let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-            self.dispatch_grid(&shader::MATMUL, "gemm", w.dtype, &p, &buffers, grid);
+            let pipeline = self.pipeline(&shader::MATMUL, "gemm", w.dtype, &[]);
+            self.record(pipeline, &p, &buffers, grid, || op("gemm"));
         }
     }
 
@@ -677,6 +784,10 @@ impl Backend for WgpuBackend {
         );
     }
 
+    fn attention_workspace_len(&self, layout: QkvLayout, max_seqs: usize) -> usize {
+        max_seqs * layout.num_heads * DECODE_SPLITS * (layout.head_dim + 2)
+    }
+
     fn paged_attention(
         &self,
         qkv: &WgpuBuffer,
@@ -687,7 +798,7 @@ impl Backend for WgpuBackend {
         k_cache: &WgpuBuffer,
         v_cache: &WgpuBuffer,
         scale: f32,
-        _workspace: &mut WgpuBuffer,
+        workspace: &mut WgpuBuffer,
         out: &mut WgpuBuffer,
     ) {
         assert!(layout.head_dim as u32 <= WG, "head_dim above {WG}");
@@ -701,22 +812,61 @@ impl Backend for WgpuBackend {
             cache.block_size,
             meta.max_blocks_per_seq,
         ]);
-        p.push(scale.to_bits());
+        p.extend([scale.to_bits(), DECODE_SPLITS as u32]);
+        let group = layout.num_heads / layout.num_kv_heads;
+        // The decode kernel holds a query group of up to 8 heads and 2048 elements, and
+        // reads the cache 8 elements at a time.
+        let decode = meta.max_query_len == 1
+            && rows == meta.num_seqs
+            && group <= 8
+            && group * layout.head_dim <= 2048
+            && layout.head_dim.is_multiple_of(8);
+        if !decode {
+            self.dispatch(
+                &shader::ATTENTION,
+                "attention",
+                k_cache.dtype,
+                &p,
+                &[
+                    (1, &qkv.buf),
+                    (2, &meta.query_start_loc.buf),
+                    (3, &meta.seq_lens.buf),
+                    (4, &meta.block_tables.buf),
+                    (5, &k_cache.buf),
+                    (6, &v_cache.buf),
+                    (7, &out.buf),
+                ],
+                rows * layout.num_heads,
+            );
+            return;
+        }
+        assert!(
+            workspace.numel >= self.attention_workspace_len(layout, meta.num_seqs),
+            "attention workspace too small"
+        );
         self.dispatch(
             &shader::ATTENTION,
-            "attention",
+            "decode",
             k_cache.dtype,
             &p,
             &[
                 (1, &qkv.buf),
-                (2, &meta.query_start_loc.buf),
                 (3, &meta.seq_lens.buf),
                 (4, &meta.block_tables.buf),
-                (5, &k_cache.buf),
-                (6, &v_cache.buf),
                 (7, &out.buf),
+                (8, &workspace.buf),
+                (9, &k_cache.buf),
+                (10, &v_cache.buf),
             ],
-            rows * layout.num_heads,
+            meta.num_seqs * layout.num_kv_heads * DECODE_SPLITS,
+        );
+        self.dispatch(
+            &shader::ATTENTION,
+            "decode_reduce",
+            k_cache.dtype,
+            &p,
+            &[(3, &meta.seq_lens.buf), (7, &out.buf), (8, &workspace.buf)],
+            meta.num_seqs * layout.num_heads,
         );
     }
 

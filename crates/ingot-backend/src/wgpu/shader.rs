@@ -27,6 +27,10 @@ struct Typed {
     name: &'static str,
     binding: u32,
     access: Access,
+    /// Where it is also bound as 16-byte vectors, read 8 elements at a time with
+    /// `{name}_at8(g) -> W8` (elements 8g..8g+8; a read-only buffer whose rows start at
+    /// multiples of 8 elements).
+    wide: Option<u32>,
 }
 
 /// One WGSL source file and its entry points.
@@ -51,6 +55,7 @@ pub const EMBEDDING: Kernel = Kernel {
         name: "table",
         binding: 1,
         access: Access::Read,
+        wide: None,
     }],
     reduces: false,
     dtypes: FLOATS,
@@ -82,6 +87,7 @@ pub const MATMUL: Kernel = Kernel {
         name: "w",
         binding: 2,
         access: Access::Read,
+        wide: Some(6),
     }],
     reduces: false,
     dtypes: FLOATS,
@@ -96,11 +102,13 @@ pub const ROPE: Kernel = Kernel {
             name: "kc",
             binding: 5,
             access: Access::ReadWrite,
+            wide: None,
         },
         Typed {
             name: "vc",
             binding: 6,
             access: Access::ReadWrite,
+            wide: None,
         },
     ],
     reduces: false,
@@ -109,18 +117,20 @@ pub const ROPE: Kernel = Kernel {
 
 pub const ATTENTION: Kernel = Kernel {
     file: "attention",
-    entries: &["attention"],
+    entries: &["attention", "decode", "decode_reduce"],
     source: include_str!("kernels/attention.wgsl"),
     typed: &[
         Typed {
             name: "kc",
             binding: 5,
             access: Access::Read,
+            wide: Some(9),
         },
         Typed {
             name: "vc",
             binding: 6,
             access: Access::Read,
+            wide: Some(10),
         },
     ],
     reduces: true,
@@ -168,6 +178,13 @@ pub fn source(kernel: &Kernel, dtype: DType, f: Features) -> String {
     s += "const NEG_BIG: f32 = -3.40282347e38;\n";
     if dtype == DType::BF16 && kernel.typed.iter().any(|t| t.access == Access::ReadWrite) {
         s += BF16_ROUND;
+    }
+    if kernel.typed.iter().any(|t| t.wide.is_some()) {
+        s += "struct W8 { lo: vec4<f32>, hi: vec4<f32> }\n";
+        if dtype == DType::BF16 {
+            s += "fn bf16_pair(w: u32) -> vec2<f32> { \
+                  return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u)); }\n";
+        }
     }
     for t in kernel.typed {
         s += &accessor(t, dtype, native_f16);
@@ -230,6 +247,36 @@ fn accessor(t: &Typed, dtype: DType, native_f16: bool) -> String {
     );
     if t.access == Access::ReadWrite {
         s += &format!("fn {n}_set2(i: u32, a: f32, b: f32) {{ {set2} }}\n");
+    }
+    if let Some(wb) = t.wide {
+        assert_eq!(t.access, Access::Read, "wide buffers are read-only");
+        let (vec, at8) = match dtype {
+            DType::F32 => (
+                "vec4<f32>",
+                format!("return W8({n}_wide[2u * g], {n}_wide[2u * g + 1u]);"),
+            ),
+            DType::F16 => (
+                "vec4<u32>",
+                format!(
+                    "let q = {n}_wide[g]; \
+                     return W8(vec4<f32>(unpack2x16float(q.x), unpack2x16float(q.y)), \
+                     vec4<f32>(unpack2x16float(q.z), unpack2x16float(q.w)));"
+                ),
+            ),
+            DType::BF16 => (
+                "vec4<u32>",
+                format!(
+                    "let q = {n}_wide[g]; \
+                     return W8(vec4<f32>(bf16_pair(q.x), bf16_pair(q.y)), \
+                     vec4<f32>(bf16_pair(q.z), bf16_pair(q.w)));"
+                ),
+            ),
+            other => panic!("no {other} buffers in shaders"),
+        };
+        s += &format!(
+            "@group(0) @binding({wb}) var<storage, read> {n}_wide: array<{vec}>;\n\
+             fn {n}_at8(g: u32) -> W8 {{ {at8} }}\n"
+        );
     }
     s
 }
@@ -349,6 +396,15 @@ mod tests {
                                 "{what}: no entry point {entry}"
                             );
                         }
+                        // Override constants keep their defaults here (the host sets
+                        // them per pipeline).
+                        let (module, info) = naga::back::pipeline_constants::process_overrides(
+                            &module,
+                            &info,
+                            None,
+                            &Default::default(),
+                        )
+                        .unwrap_or_else(|e| panic!("{what}: overrides: {e}"));
                         let options = msl::Options {
                             lang_version: (2, 4),
                             ..Default::default()

@@ -7,7 +7,7 @@
 
 struct P {
     rows: u32, num_seqs: u32, q_heads: u32, kv_heads: u32, head_dim: u32, row_len: u32,
-    block_size: u32, max_blocks: u32, scale: f32,
+    block_size: u32, max_blocks: u32, scale: f32, max_splits: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -16,6 +16,8 @@ struct P {
 @group(0) @binding(3) var<storage, read> seq_lens: array<i32>;
 @group(0) @binding(4) var<storage, read> block_tables: array<i32>;
 @group(0) @binding(7) var<storage, read_write> out: array<f32>;
+// Per (seq, query head, split): the split's running maximum, sum and unnormalized output.
+@group(0) @binding(8) var<storage, read_write> parts: array<f32>;
 
 var<workgroup> q: array<f32, WG>;
 var<workgroup> probs: array<f32, WG>;
@@ -97,4 +99,192 @@ fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
     if (lid < p.head_dim) {
         out[(row * p.q_heads + h) * p.head_dim + lid] = acc / l;
     }
+}
+
+// Decode steps (one query row per sequence) go through `decode`, split along the context
+// (flash-decoding): one workgroup per (sequence, KV head, split) reads each key and value
+// of its part of the context once for the whole query group, 16 bytes per load (head_dim
+// a multiple of 8), in tiles staged in workgroup memory; `decode_reduce` merges the splits. A split covers at least MIN_PART keys, so the
+// splits of a sequence depend on its length alone: a sequence is computed the same in
+// any batch.
+const MIN_PART: u32 = 32u;
+// Keys per tile: 32 for head_dim <= 128, 16 up to 256 (the tile's rows are padded by one
+// element so that threads scoring different keys read different banks).
+var<workgroup> qs: array<f32, 2048>;
+var<workgroup> tile: array<f32, 4128>;
+var<workgroup> sc: array<f32, WG>;
+var<workgroup> head_max: array<f32, 8>;
+var<workgroup> head_sum: array<f32, 8>;
+var<workgroup> head_corr: array<f32, 8>;
+
+// Piece i of the tile (8 elements; head_dim / 8 pieces per key) into its row.
+fn put_piece(i: u32, w: W8) {
+    let pieces = p.head_dim / 8u;
+    let b = (i / pieces) * (p.head_dim + 1u) + (i % pieces) * 8u;
+    tile[b] = w.lo.x;
+    tile[b + 1u] = w.lo.y;
+    tile[b + 2u] = w.lo.z;
+    tile[b + 3u] = w.lo.w;
+    tile[b + 4u] = w.hi.x;
+    tile[b + 5u] = w.hi.y;
+    tile[b + 6u] = w.hi.z;
+    tile[b + 7u] = w.hi.w;
+}
+
+fn splits_of(keys: u32) -> u32 {
+    return max(1u, min(p.max_splits, (keys + MIN_PART - 1u) / MIN_PART));
+}
+
+// Keys per split: whole tiles of 32.
+fn part_of(keys: u32) -> u32 {
+    let n = splits_of(keys);
+    return ((keys + n - 1u) / n + 31u) / 32u * 32u;
+}
+
+fn parts_index(seq: u32, h: u32, split: u32) -> u32 {
+    return ((seq * p.q_heads + h) * p.max_splits + split) * (p.head_dim + 2u);
+}
+
+@compute @workgroup_size(256)
+fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let idx = wg.y * nwg.x + wg.x;
+    let split = idx % p.max_splits;
+    let kvh = (idx / p.max_splits) % p.kv_heads;
+    let seq = idx / (p.max_splits * p.kv_heads);
+    if (seq >= p.num_seqs) {
+        return;
+    }
+    let keys = u32(seq_lens[seq]);
+    let part = part_of(keys);
+    let t_begin = split * part;
+    if (t_begin >= keys) {
+        return;
+    }
+    let t_end = min(keys, t_begin + part);
+    let hd = p.head_dim;
+    let stride = hd + 1u;
+    let pieces = hd / 8u;
+    let group = p.q_heads / p.kv_heads;
+    let tn = select(16u, 32u, hd <= 128u);
+    // The group's query heads are consecutive in the row: h = kvh * group + g.
+    for (var i = lid; i < group * hd; i += WG) {
+        qs[i] = qkv[seq * p.row_len + kvh * group * hd + i];
+    }
+    if (lid < group) {
+        head_max[lid] = NEG_BIG;
+        head_sum[lid] = 0.0;
+    }
+    // Output element o = lid + WG * q of the group's [group, head_dim] block.
+    var acc: array<f32, 8>;
+    workgroupBarrier();
+    let g = lid / tn;
+    let t = lid % tn;
+    for (var t0 = t_begin; t0 < t_end; t0 += tn) {
+        let nt = min(tn, t_end - t0);
+        for (var i = lid; i < nt * pieces; i += WG) {
+            put_piece(i, kc_at8(cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces));
+        }
+        workgroupBarrier();
+        if (g < group) {
+            var s = NEG_BIG;
+            if (t < nt) {
+                var d = 0.0;
+                for (var e = 0u; e < hd; e++) {
+                    d += qs[g * hd + e] * tile[t * stride + e];
+                }
+                s = d * p.scale;
+            }
+            sc[lid] = s;
+        }
+        workgroupBarrier();
+        if (lid < group) {
+            var mx = head_max[lid];
+            for (var j = 0u; j < nt; j++) {
+                mx = max(mx, sc[lid * tn + j]);
+            }
+            head_corr[lid] = exp(head_max[lid] - mx);
+            head_max[lid] = mx;
+        }
+        workgroupBarrier();
+        if (g < group) {
+            var pr = 0.0;
+            if (t < nt) {
+                pr = exp(sc[lid] - head_max[g]);
+            }
+            sc[lid] = pr;
+        }
+        for (var i = lid; i < nt * pieces; i += WG) {
+            put_piece(i, vc_at8(cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces));
+        }
+        workgroupBarrier();
+        if (lid < group) {
+            var sum = 0.0;
+            for (var j = 0u; j < nt; j++) {
+                sum += sc[lid * tn + j];
+            }
+            head_sum[lid] = head_sum[lid] * head_corr[lid] + sum;
+        }
+        for (var q = 0u; q < 8u; q++) {
+            let o = lid + q * WG;
+            if (o < group * hd) {
+                let gg = o / hd;
+                let d = o % hd;
+                var a = acc[q] * head_corr[gg];
+                for (var j = 0u; j < nt; j++) {
+                    a += sc[gg * tn + j] * tile[j * stride + d];
+                }
+                acc[q] = a;
+            }
+        }
+        workgroupBarrier();
+    }
+    let whole = splits_of(keys) == 1u;
+    for (var q = 0u; q < 8u; q++) {
+        let o = lid + q * WG;
+        if (o < group * hd) {
+            let h = kvh * group + o / hd;
+            let d = o % hd;
+            if (whole) {
+                out[(seq * p.q_heads + h) * hd + d] = acc[q] / head_sum[o / hd];
+            } else {
+                parts[parts_index(seq, h, split) + 2u + d] = acc[q];
+            }
+        }
+    }
+    if (!whole && lid < group) {
+        let at = parts_index(seq, kvh * group + lid, split);
+        parts[at] = head_max[lid];
+        parts[at + 1u] = head_sum[lid];
+    }
+}
+
+// Merges the splits of `decode`: one workgroup per (sequence, query head).
+@compute @workgroup_size(256)
+fn decode_reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let idx = wg.y * nwg.x + wg.x;
+    let seq = idx / p.q_heads;
+    let h = idx % p.q_heads;
+    if (seq >= p.num_seqs || lid >= p.head_dim) {
+        return;
+    }
+    let keys = u32(seq_lens[seq]);
+    if (splits_of(keys) == 1u) {
+        return;
+    }
+    let used = (keys + part_of(keys) - 1u) / part_of(keys);
+    var mx = NEG_BIG;
+    for (var s = 0u; s < used; s++) {
+        mx = max(mx, parts[parts_index(seq, h, s)]);
+    }
+    var sum = 0.0;
+    var a = 0.0;
+    for (var s = 0u; s < used; s++) {
+        let at = parts_index(seq, h, s);
+        let c = exp(parts[at] - mx);
+        sum += parts[at + 1u] * c;
+        a += parts[at + 2u + lid] * c;
+    }
+    out[(seq * p.q_heads + h) * p.head_dim + lid] = a / sum;
 }

@@ -1,7 +1,8 @@
 // out[r, col + j] = Σ_k x[r, k] · w[j, k] (+ bias[j]), rows of `out` ld apart; x and out f32,
 // w in the weight dtype (w_at), accumulation in f32.
 
-struct P { m: u32, n: u32, k: u32, ld: u32, col: u32, has_bias: u32 }
+// gemv_wide computes rows row0 .. row0 + m of the product (the others: row0 = 0).
+struct P { m: u32, n: u32, k: u32, ld: u32, col: u32, has_bias: u32, row0: u32 }
 
 @group(0) @binding(0) var<uniform> p: P;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
@@ -21,7 +22,7 @@ fn store(r: u32, j: u32, v: f32) {
     if (p.has_bias != 0u) {
         s += bias[j];
     }
-    out[r * p.ld + p.col + j] = s;
+    out[(p.row0 + r) * p.ld + p.col + j] = s;
 }
 
 // Up to GEMV_ROWS rows (decode steps): each weight row is read once for every input row,
@@ -73,6 +74,100 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
             var t = 0.0;
             for (var l = 0u; l < LANES; l++) {
                 t += partial[r * WG + c * LANES + l];
+            }
+            store(r, jj, t);
+        }
+    }
+}
+
+// The GEMV for k a multiple of 8: each thread reads 8 weights (16 bytes at 16 bits) at a
+// time, WIDE_LANES threads per column read WIDE_LANES consecutive 16-byte pieces of its
+// row, and each has two pieces in flight. The host sets WIDE_LANES (a power of two, at
+// most 64) per product shape. The sums of a row do not depend on m (a row is computed the
+// same alone or in a batch).
+@group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
+override WIDE_LANES: u32 = 32u;
+override WIDE_COLS: u32 = WG / WIDE_LANES;
+
+// Row r of x times the 8 weights of piece g.
+fn xdot(r: u32, g: u32, w: W8) -> f32 {
+    let b = (p.row0 + r) * (p.k / 4u) + 2u * g;
+    return dot(x4[b], w.lo) + dot(x4[b + 1u], w.hi);
+}
+
+fn xdot4(r0: u32, last: u32, g: u32, w: W8) -> vec4<f32> {
+    return vec4<f32>(xdot(min(r0, last), g, w), xdot(min(r0 + 1u, last), g, w),
+                     xdot(min(r0 + 2u, last), g, w), xdot(min(r0 + 3u, last), g, w));
+}
+
+@compute @workgroup_size(256)
+fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let lane = lid % WIDE_LANES;
+    let j = (wg.y * nwg.x + wg.x) * WIDE_COLS + lid / WIDE_LANES;
+    let groups = p.k / 8u;
+    // Rows 0-3 and 4-7; pieces at even and odd steps in separate sums (two loads in
+    // flight), added at the end.
+    var lo = vec4<f32>();
+    var hi = vec4<f32>();
+    if (j < p.n) {
+        let base = j * groups;
+        let last = p.m - 1u;
+        var g = lane;
+        if (p.m == 1u) {
+            var a0 = 0.0;
+            var a1 = 0.0;
+            for (; g + WIDE_LANES < groups; g += 2u * WIDE_LANES) {
+                let w0 = w_at8(base + g);
+                let w1 = w_at8(base + g + WIDE_LANES);
+                a0 += xdot(0u, g, w0);
+                a1 += xdot(0u, g + WIDE_LANES, w1);
+            }
+            if (g < groups) {
+                a0 += xdot(0u, g, w_at8(base + g));
+            }
+            lo.x = a0 + a1;
+        } else {
+            var lo1 = vec4<f32>();
+            var hi1 = vec4<f32>();
+            for (; g + WIDE_LANES < groups; g += 2u * WIDE_LANES) {
+                let w0 = w_at8(base + g);
+                let w1 = w_at8(base + g + WIDE_LANES);
+                lo += xdot4(0u, last, g, w0);
+                lo1 += xdot4(0u, last, g + WIDE_LANES, w1);
+                if (p.m > 4u) {
+                    hi += xdot4(4u, last, g, w0);
+                    hi1 += xdot4(4u, last, g + WIDE_LANES, w1);
+                }
+            }
+            if (g < groups) {
+                let w0 = w_at8(base + g);
+                lo += xdot4(0u, last, g, w0);
+                if (p.m > 4u) {
+                    hi += xdot4(4u, last, g, w0);
+                }
+            }
+            lo += lo1;
+            hi += hi1;
+        }
+    }
+    partial[lid] = lo.x;
+    partial[WG + lid] = lo.y;
+    partial[2u * WG + lid] = lo.z;
+    partial[3u * WG + lid] = lo.w;
+    partial[4u * WG + lid] = hi.x;
+    partial[5u * WG + lid] = hi.y;
+    partial[6u * WG + lid] = hi.z;
+    partial[7u * WG + lid] = hi.w;
+    workgroupBarrier();
+    for (var o = lid; o < WIDE_COLS * p.m; o += WG) {
+        let c = o % WIDE_COLS;
+        let r = o / WIDE_COLS;
+        let jj = (wg.y * nwg.x + wg.x) * WIDE_COLS + c;
+        if (jj < p.n) {
+            var t = 0.0;
+            for (var l = 0u; l < WIDE_LANES; l++) {
+                t += partial[r * WG + c * WIDE_LANES + l];
             }
             store(r, jj, t);
         }
