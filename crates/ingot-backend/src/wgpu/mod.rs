@@ -663,9 +663,21 @@ impl Backend for WgpuBackend {
                 n.div_ceil(GEMV_COLS),
             );
         } else {
-            let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-            let pipeline = self.pipeline(&shader::MATMUL, "gemm", w.dtype, &[]);
-            self.record(pipeline, &p, &buffers, grid, || op("gemm"));
+            if k.is_multiple_of(8) {
+                let wide = [
+                    (5, &x.buf),
+                    (6, &w.buf),
+                    (3, bias.map_or(&self.dummy, |b| &b.buf)),
+                    (4, &out.buf.buf),
+                ];
+                let grid = [n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1];
+                let pipeline = self.pipeline(&shader::MATMUL, "gemm_wide", w.dtype, &[]);
+                self.record(pipeline, &p, &wide, grid, || op("gemm_wide"));
+            } else {
+                let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+                let pipeline = self.pipeline(&shader::MATMUL, "gemm", w.dtype, &[]);
+                self.record(pipeline, &p, &buffers, grid, || op("gemm"));
+            }
         }
     }
 

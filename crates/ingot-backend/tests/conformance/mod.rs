@@ -479,6 +479,7 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
         (8, 9, 1032),
         (13, 70, 264),
         (64, 256, 128),
+        (66, 20, 37),
         (130, 33, 200),
         (257, 1000, 1024),
     ];

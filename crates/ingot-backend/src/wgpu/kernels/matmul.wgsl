@@ -236,3 +236,78 @@ fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     store4(row0 + ty + 32u, col0 + tx, c2);
     store4(row0 + ty + 48u, col0 + tx, c3);
 }
+
+// The GEMM for k a multiple of 8: tiles of 128 x 128 outputs, 16 deep along k, staged
+// k-major in workgroup memory from 16-byte loads; each thread computes 8 x 8 outputs 16
+// rows and 16 columns apart (64 products per 16 reads of workgroup memory).
+const BIG: u32 = 128u;
+const BIG_DEPTH: u32 = 16u;
+var<workgroup> xb: array<f32, 2048>;
+var<workgroup> wb: array<f32, 2048>;
+
+@compute @workgroup_size(256)
+fn gemm_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let row0 = wg.y * BIG;
+    let col0 = wg.x * BIG;
+    let tx = lid % 16u;
+    let ty = lid / 16u;
+    // c[i][j]: row row0 + ty + 16 i, column col0 + tx + 16 j (j in two vec4 halves).
+    var c: array<array<vec4<f32>, 2>, 8>;
+    // Each step loads 128 rows of x as 4 vec4 each (two per thread) and 128 columns of w
+    // as 2 pieces of 8 (one per thread).
+    for (var k0 = 0u; k0 < p.k; k0 += BIG_DEPTH) {
+        for (var e = lid; e < BIG * 4u; e += WG) {
+            let t = e / 4u;
+            let q = e % 4u;
+            var xv = vec4<f32>();
+            if (row0 + t < p.m && k0 + 4u * q < p.k) {
+                xv = x4[(row0 + t) * (p.k / 4u) + k0 / 4u + q];
+            }
+            xb[(4u * q) * BIG + t] = xv.x;
+            xb[(4u * q + 1u) * BIG + t] = xv.y;
+            xb[(4u * q + 2u) * BIG + t] = xv.z;
+            xb[(4u * q + 3u) * BIG + t] = xv.w;
+        }
+        {
+            let t = lid / 2u;
+            let h = lid % 2u;
+            var w = W8(vec4<f32>(), vec4<f32>());
+            if (col0 + t < p.n && k0 + 8u * h < p.k) {
+                w = w_at8((col0 + t) * (p.k / 8u) + k0 / 8u + h);
+            }
+            let o = 8u * h * BIG + t;
+            wb[o] = w.lo.x;
+            wb[o + BIG] = w.lo.y;
+            wb[o + 2u * BIG] = w.lo.z;
+            wb[o + 3u * BIG] = w.lo.w;
+            wb[o + 4u * BIG] = w.hi.x;
+            wb[o + 5u * BIG] = w.hi.y;
+            wb[o + 6u * BIG] = w.hi.z;
+            wb[o + 7u * BIG] = w.hi.w;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BIG_DEPTH; kk++) {
+            let o = kk * BIG;
+            let b0 = vec4<f32>(wb[o + tx], wb[o + tx + 16u], wb[o + tx + 32u], wb[o + tx + 48u]);
+            let b1 = vec4<f32>(wb[o + tx + 64u], wb[o + tx + 80u], wb[o + tx + 96u],
+                               wb[o + tx + 112u]);
+            for (var i = 0u; i < 8u; i++) {
+                let a = xb[o + ty + 16u * i];
+                c[i][0] += a * b0;
+                c[i][1] += a * b1;
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 8u; i++) {
+        let r = row0 + ty + 16u * i;
+        if (r < p.m) {
+            for (var j = 0u; j < 8u; j++) {
+                let col = col0 + tx + 16u * j;
+                if (col < p.n) {
+                    store(r, col, c[i][j / 4u][j % 4u]);
+                }
+            }
+        }
+    }
+}
