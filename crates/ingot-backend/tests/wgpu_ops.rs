@@ -10,7 +10,7 @@ mod conformance;
 
 use conformance::{Dtypes, FLOATS};
 use ingot_backend::wgpu::{Options, WgpuBackend};
-use ingot_backend::DType;
+use ingot_backend::{DType, QkvLayout};
 
 const DTYPES: Dtypes = Dtypes {
     activations: &[DType::F32],
@@ -72,6 +72,27 @@ fn silu_mul_matmul_matches_the_cpu() {
 fn paged_attention_matches_the_cpu() {
     for g in backends() {
         conformance::paged_attention_matches_the_cpu(&g, &DTYPES);
+    }
+}
+
+/// Shapes the tiled attention kernels do not take (a query group of 16 heads, head_dim
+/// not a multiple of 8) run through the general one.
+#[test]
+fn attention_of_other_shapes_matches_the_cpu() {
+    let layouts = [
+        QkvLayout {
+            num_heads: 16,
+            num_kv_heads: 1,
+            head_dim: 64,
+        },
+        QkvLayout {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 36,
+        },
+    ];
+    for g in backends() {
+        conformance::paged_attention_matches_the_cpu_in(&g, &DTYPES, &layouts);
     }
 }
 

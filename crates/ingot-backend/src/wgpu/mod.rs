@@ -28,6 +28,8 @@ const GEMV_CHUNKED_ROWS: usize = 64;
 const GEMV_COLS: usize = 32;
 /// Most parts the context of a decode row is split into (the decode kernel's max_splits).
 const DECODE_SPLITS: usize = 32;
+/// Query rows of one workgroup of the prefill attention kernel (its Q_TILE).
+const PREFILL_ROWS: usize = 16;
 /// Workgroups along x of a dispatch; more go to y (the limit is 65535 per dimension).
 const GRID_X: u32 = 32768;
 
@@ -833,6 +835,28 @@ impl Backend for WgpuBackend {
             && group <= 8
             && group * layout.head_dim <= 2048
             && layout.head_dim.is_multiple_of(8);
+        let tiled = layout.head_dim <= 128 && layout.head_dim.is_multiple_of(8);
+        if !decode && tiled {
+            let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
+            p.push(q_tiles as u32);
+            self.dispatch(
+                &shader::ATTENTION,
+                "prefill",
+                k_cache.dtype,
+                &p,
+                &[
+                    (1, &qkv.buf),
+                    (2, &meta.query_start_loc.buf),
+                    (3, &meta.seq_lens.buf),
+                    (4, &meta.block_tables.buf),
+                    (7, &out.buf),
+                    (9, &k_cache.buf),
+                    (10, &v_cache.buf),
+                ],
+                meta.num_seqs * q_tiles * layout.num_heads,
+            );
+            return;
+        }
         if !decode {
             self.dispatch(
                 &shader::ATTENTION,

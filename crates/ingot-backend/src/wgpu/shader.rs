@@ -117,7 +117,7 @@ pub const ROPE: Kernel = Kernel {
 
 pub const ATTENTION: Kernel = Kernel {
     file: "attention",
-    entries: &["attention", "decode", "decode_reduce"],
+    entries: &["attention", "decode", "decode_reduce", "prefill"],
     source: include_str!("kernels/attention.wgsl"),
     typed: &[
         Typed {

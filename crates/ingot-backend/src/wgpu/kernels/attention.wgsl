@@ -7,7 +7,7 @@
 
 struct P {
     rows: u32, num_seqs: u32, q_heads: u32, kv_heads: u32, head_dim: u32, row_len: u32,
-    block_size: u32, max_blocks: u32, scale: f32, max_splits: u32,
+    block_size: u32, max_blocks: u32, scale: f32, max_splits: u32, q_tiles: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -108,27 +108,22 @@ fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
 // splits of a sequence depend on its length alone: a sequence is computed the same in
 // any batch.
 const MIN_PART: u32 = 32u;
-// Keys per tile: 32 for head_dim <= 128, 16 up to 256 (the tile's rows are padded by one
-// element so that threads scoring different keys read different banks).
-var<workgroup> qs: array<f32, 2048>;
-var<workgroup> tile: array<f32, 4128>;
-var<workgroup> sc: array<f32, WG>;
-var<workgroup> head_max: array<f32, 8>;
-var<workgroup> head_sum: array<f32, 8>;
-var<workgroup> head_corr: array<f32, 8>;
+// Keys per tile: 32 for head_dim <= 128, 16 up to 256. Rows of the tile are padded by one
+// vec4 so that threads scoring different keys read different banks.
+var<workgroup> qs: array<vec4<f32>, 512>;
+var<workgroup> tile: array<vec4<f32>, 1056>;
+var<workgroup> sc: array<f32, 512>;
+// Per query vector of the workgroup (a head of the group in `decode`, a row in `prefill`).
+var<workgroup> head_max: array<f32, 16>;
+var<workgroup> head_sum: array<f32, 16>;
+var<workgroup> head_corr: array<f32, 16>;
 
 // Piece i of the tile (8 elements; head_dim / 8 pieces per key) into its row.
 fn put_piece(i: u32, w: W8) {
     let pieces = p.head_dim / 8u;
-    let b = (i / pieces) * (p.head_dim + 1u) + (i % pieces) * 8u;
-    tile[b] = w.lo.x;
-    tile[b + 1u] = w.lo.y;
-    tile[b + 2u] = w.lo.z;
-    tile[b + 3u] = w.lo.w;
-    tile[b + 4u] = w.hi.x;
-    tile[b + 5u] = w.hi.y;
-    tile[b + 6u] = w.hi.z;
-    tile[b + 7u] = w.hi.w;
+    let b = (i / pieces) * (p.head_dim / 4u + 1u) + (i % pieces) * 2u;
+    tile[b] = w.lo;
+    tile[b + 1u] = w.hi;
 }
 
 fn splits_of(keys: u32) -> u32 {
@@ -163,13 +158,15 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
     }
     let t_end = min(keys, t_begin + part);
     let hd = p.head_dim;
-    let stride = hd + 1u;
+    let hd4 = hd / 4u;
+    let stride = hd4 + 1u;
     let pieces = hd / 8u;
     let group = p.q_heads / p.kv_heads;
     let tn = select(16u, 32u, hd <= 128u);
     // The group's query heads are consecutive in the row: h = kvh * group + g.
-    for (var i = lid; i < group * hd; i += WG) {
-        qs[i] = qkv[seq * p.row_len + kvh * group * hd + i];
+    for (var i = lid; i < group * hd4; i += WG) {
+        let at = seq * p.row_len + kvh * group * hd + 4u * i;
+        qs[i] = vec4<f32>(qkv[at], qkv[at + 1u], qkv[at + 2u], qkv[at + 3u]);
     }
     if (lid < group) {
         head_max[lid] = NEG_BIG;
@@ -190,8 +187,8 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             var s = NEG_BIG;
             if (t < nt) {
                 var d = 0.0;
-                for (var e = 0u; e < hd; e++) {
-                    d += qs[g * hd + e] * tile[t * stride + e];
+                for (var e = 0u; e < hd4; e++) {
+                    d += dot(qs[g * hd4 + e], tile[t * stride + e]);
                 }
                 s = d * p.scale;
             }
@@ -232,7 +229,7 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
                 let d = o % hd;
                 var a = acc[q] * head_corr[gg];
                 for (var j = 0u; j < nt; j++) {
-                    a += sc[gg * tn + j] * tile[j * stride + d];
+                    a += sc[gg * tn + j] * tile[j * stride + d / 4u][d % 4u];
                 }
                 acc[q] = a;
             }
@@ -287,4 +284,118 @@ fn decode_reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) 
         a += parts[at + 2u + lid] * c;
     }
     out[(seq * p.q_heads + h) * p.head_dim + lid] = a / sum;
+}
+
+// Prefill and mixed steps with head_dim <= 128 (a multiple of 8) go through `prefill`:
+// one workgroup per (tile of 16 query rows of one sequence, query head) reads the
+// context in tiles of 32 keys staged in workgroup memory, shared by the 16 rows, with an
+// online softmax per row (flash attention, in f32 without matrix units).
+const Q_TILE: u32 = 16u;
+
+@compute @workgroup_size(256)
+fn prefill(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let idx = wg.y * nwg.x + wg.x;
+    let h = idx % p.q_heads;
+    let qt = (idx / p.q_heads) % p.q_tiles;
+    let seq = idx / (p.q_heads * p.q_tiles);
+    if (seq >= p.num_seqs) {
+        return;
+    }
+    let start = u32(query_start_loc[seq]);
+    let q_len = u32(query_start_loc[seq + 1u]) - start;
+    if (qt * Q_TILE >= q_len) {
+        return;
+    }
+    let r0 = start + qt * Q_TILE;
+    let nr = min(Q_TILE, q_len - qt * Q_TILE);
+    // Row i sees keys up to its own position: ctx + qt * Q_TILE + i.
+    let first_pos = u32(seq_lens[seq]) - q_len + qt * Q_TILE;
+    let max_keys = first_pos + nr;
+    let kvh = h / (p.q_heads / p.kv_heads);
+    let hd = p.head_dim;
+    let hd4 = hd / 4u;
+    let stride = hd4 + 1u;
+    let pieces = hd / 8u;
+    let tn = 32u;
+    for (var i = lid; i < nr * hd4; i += WG) {
+        let at = (r0 + i / hd4) * p.row_len + h * hd + 4u * (i % hd4);
+        qs[i] = vec4<f32>(qkv[at], qkv[at + 1u], qkv[at + 2u], qkv[at + 3u]);
+    }
+    if (lid < Q_TILE) {
+        head_max[lid] = NEG_BIG;
+        head_sum[lid] = 0.0;
+    }
+    // Output element o = lid + WG * q of the tile's [Q_TILE, head_dim] block.
+    var acc: array<f32, 8>;
+    workgroupBarrier();
+    for (var t0 = 0u; t0 < max_keys; t0 += tn) {
+        let nt = min(tn, max_keys - t0);
+        for (var i = lid; i < nt * pieces; i += WG) {
+            put_piece(i, kc_at8(cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces));
+        }
+        workgroupBarrier();
+        // Scores: thread lid takes row lid / 16 and keys lid % 16 and lid % 16 + 16.
+        let i = lid / 16u;
+        for (var half = 0u; half < 2u; half++) {
+            let j = lid % 16u + 16u * half;
+            var s = NEG_BIG;
+            if (i < nr && j < nt && t0 + j <= first_pos + i) {
+                var d = 0.0;
+                for (var e = 0u; e < hd4; e++) {
+                    d += dot(qs[i * hd4 + e], tile[j * stride + e]);
+                }
+                s = d * p.scale;
+            }
+            sc[i * tn + j] = s;
+        }
+        workgroupBarrier();
+        if (lid < nr) {
+            var mx = head_max[lid];
+            for (var j = 0u; j < nt; j++) {
+                mx = max(mx, sc[lid * tn + j]);
+            }
+            head_corr[lid] = exp(head_max[lid] - mx);
+            head_max[lid] = mx;
+        }
+        workgroupBarrier();
+        for (var half = 0u; half < 2u; half++) {
+            let j = lid % 16u + 16u * half;
+            var pr = 0.0;
+            if (i < nr && j < nt && t0 + j <= first_pos + i) {
+                pr = exp(sc[i * tn + j] - head_max[i]);
+            }
+            sc[i * tn + j] = pr;
+        }
+        for (var v = lid; v < nt * pieces; v += WG) {
+            put_piece(v, vc_at8(cache_index(seq, t0 + v / pieces, kvh) / 8u + v % pieces));
+        }
+        workgroupBarrier();
+        if (lid < nr) {
+            var sum = 0.0;
+            for (var j = 0u; j < nt; j++) {
+                sum += sc[lid * tn + j];
+            }
+            head_sum[lid] = head_sum[lid] * head_corr[lid] + sum;
+        }
+        for (var q = 0u; q < 8u; q++) {
+            let o = lid + q * WG;
+            if (o < nr * hd) {
+                let r = o / hd;
+                let d = o % hd;
+                var a = acc[q] * head_corr[r];
+                for (var j = 0u; j < nt; j++) {
+                    a += sc[r * tn + j] * tile[j * stride + d / 4u][d % 4u];
+                }
+                acc[q] = a;
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var q = 0u; q < 8u; q++) {
+        let o = lid + q * WG;
+        if (o < nr * hd) {
+            out[((r0 + o / hd) * p.q_heads + h) * hd + o % hd] = acc[q] / head_sum[o / hd];
+        }
+    }
 }
