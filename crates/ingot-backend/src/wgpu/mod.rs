@@ -629,14 +629,15 @@ impl Backend for WgpuBackend {
             (4, &out.buf.buf),
         ];
         let op = |entry: &str| format!("{entry} {} n={n} k={k}", w.dtype);
+        // The kernels for k a multiple of 8 read x and w through their 16-byte bindings.
+        let wide = [
+            (5, &x.buf),
+            (6, &w.buf),
+            (3, bias.map_or(&self.dummy, |b| &b.buf)),
+            (4, &out.buf.buf),
+        ];
         if m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8) {
             let lanes = self.gemv_lanes(k);
-            let wide = [
-                (5, &x.buf),
-                (6, &w.buf),
-                (3, bias.map_or(&self.dummy, |b| &b.buf)),
-                (4, &out.buf.buf),
-            ];
             let pipeline = self.pipeline(
                 &shader::MATMUL,
                 "gemv_wide",
@@ -664,22 +665,14 @@ impl Backend for WgpuBackend {
                 &buffers,
                 n.div_ceil(GEMV_COLS),
             );
+        } else if k.is_multiple_of(8) {
+            let grid = [n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1];
+            let pipeline = self.pipeline(&shader::MATMUL, "gemm_wide", w.dtype, &[]);
+            self.record(pipeline, &p, &wide, grid, || op("gemm_wide"));
         } else {
-            if k.is_multiple_of(8) {
-                let wide = [
-                    (5, &x.buf),
-                    (6, &w.buf),
-                    (3, bias.map_or(&self.dummy, |b| &b.buf)),
-                    (4, &out.buf.buf),
-                ];
-                let grid = [n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1];
-                let pipeline = self.pipeline(&shader::MATMUL, "gemm_wide", w.dtype, &[]);
-                self.record(pipeline, &p, &wide, grid, || op("gemm_wide"));
-            } else {
-                let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-                let pipeline = self.pipeline(&shader::MATMUL, "gemm", w.dtype, &[]);
-                self.record(pipeline, &p, &buffers, grid, || op("gemm"));
-            }
+            let grid = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+            let pipeline = self.pipeline(&shader::MATMUL, "gemm", w.dtype, &[]);
+            self.record(pipeline, &p, &buffers, grid, || op("gemm"));
         }
     }
 
