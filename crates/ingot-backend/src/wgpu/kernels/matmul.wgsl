@@ -240,10 +240,9 @@ fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 // The GEMM for k a multiple of 8: tiles of 128 x 128 outputs, 16 deep along k, staged
 // k-major in workgroup memory from 16-byte loads; each thread computes 8 x 8 outputs 16
 // rows and 16 columns apart (64 products per 16 reads of workgroup memory).
+// It stages its tiles in the `gemm` kernel's xs and ws (the same 2048 elements each).
 const BIG: u32 = 128u;
 const BIG_DEPTH: u32 = 16u;
-var<workgroup> xb: array<f32, 2048>;
-var<workgroup> wb: array<f32, 2048>;
 
 @compute @workgroup_size(256)
 fn gemm_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -263,10 +262,10 @@ fn gemm_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             if (row0 + t < p.m && k0 + 4u * q < p.k) {
                 xv = x4[(row0 + t) * (p.k / 4u) + k0 / 4u + q];
             }
-            xb[(4u * q) * BIG + t] = xv.x;
-            xb[(4u * q + 1u) * BIG + t] = xv.y;
-            xb[(4u * q + 2u) * BIG + t] = xv.z;
-            xb[(4u * q + 3u) * BIG + t] = xv.w;
+            xs[(4u * q) * BIG + t] = xv.x;
+            xs[(4u * q + 1u) * BIG + t] = xv.y;
+            xs[(4u * q + 2u) * BIG + t] = xv.z;
+            xs[(4u * q + 3u) * BIG + t] = xv.w;
         }
         {
             let t = lid / 2u;
@@ -276,23 +275,23 @@ fn gemm_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 w = w_at8((col0 + t) * (p.k / 8u) + k0 / 8u + h);
             }
             let o = 8u * h * BIG + t;
-            wb[o] = w.lo.x;
-            wb[o + BIG] = w.lo.y;
-            wb[o + 2u * BIG] = w.lo.z;
-            wb[o + 3u * BIG] = w.lo.w;
-            wb[o + 4u * BIG] = w.hi.x;
-            wb[o + 5u * BIG] = w.hi.y;
-            wb[o + 6u * BIG] = w.hi.z;
-            wb[o + 7u * BIG] = w.hi.w;
+            ws[o] = w.lo.x;
+            ws[o + BIG] = w.lo.y;
+            ws[o + 2u * BIG] = w.lo.z;
+            ws[o + 3u * BIG] = w.lo.w;
+            ws[o + 4u * BIG] = w.hi.x;
+            ws[o + 5u * BIG] = w.hi.y;
+            ws[o + 6u * BIG] = w.hi.z;
+            ws[o + 7u * BIG] = w.hi.w;
         }
         workgroupBarrier();
         for (var kk = 0u; kk < BIG_DEPTH; kk++) {
             let o = kk * BIG;
-            let b0 = vec4<f32>(wb[o + tx], wb[o + tx + 16u], wb[o + tx + 32u], wb[o + tx + 48u]);
-            let b1 = vec4<f32>(wb[o + tx + 64u], wb[o + tx + 80u], wb[o + tx + 96u],
-                               wb[o + tx + 112u]);
+            let b0 = vec4<f32>(ws[o + tx], ws[o + tx + 16u], ws[o + tx + 32u], ws[o + tx + 48u]);
+            let b1 = vec4<f32>(ws[o + tx + 64u], ws[o + tx + 80u], ws[o + tx + 96u],
+                               ws[o + tx + 112u]);
             for (var i = 0u; i < 8u; i++) {
-                let a = xb[o + ty + 16u * i];
+                let a = xs[o + ty + 16u * i];
                 c[i][0] += a * b0;
                 c[i][1] += a * b1;
             }
