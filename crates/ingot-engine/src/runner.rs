@@ -285,8 +285,8 @@ impl<B: Backend> ModelRunner<B> {
             .find(|&b| b >= s)
     }
 
-    /// Validates, uploads and runs a step: logits of the sampled rows in `acts.logits` and
-    /// their greedy tokens in `greedy`.
+    /// Validates, uploads and queues a step: logits of the sampled rows in `acts.logits`
+    /// and their greedy tokens in `greedy`. The download of its results waits for it.
     fn run(&mut self, input: &StepInput) -> Result<()> {
         self.validate(input)?;
         let bucket = self.graph_bucket(input);
@@ -355,7 +355,7 @@ impl<B: Backend> ModelRunner<B> {
             }
             None => b.run_step(step),
         }
-        b.synchronize()
+        Ok(())
     }
 }
 

@@ -24,6 +24,8 @@ const GEMV_MAX_ROWS: usize = 8;
 /// Most rows a matmul runs through the wide GEMV, 8 rows per dispatch: each dispatch
 /// reads the weights again, which costs less than the tiled GEMM up to here.
 const GEMV_CHUNKED_ROWS: usize = 64;
+/// Vectors of 4 per thread that `add_rms_norm_wide` holds (`WIDE_VECS` in norm.wgsl).
+const NORM_WIDE_VECS: usize = 8;
 /// Output columns of one GEMV workgroup (the kernel's GEMV_COLS).
 const GEMV_COLS: usize = 32;
 /// Most parts the context of a decode row is split into (the decode kernel's max_splits).
@@ -333,10 +335,9 @@ impl WgpuBackend {
 
     /// The first `bytes` bytes of `src`, after every recorded op has run.
     fn read_bytes(&self, src: &wgpu::Buffer, bytes: usize) -> Result<Vec<u8>> {
-        self.flush()?;
         let size = (bytes.div_ceil(4) * 4) as u64;
         if size == 0 {
-            return Ok(vec![]);
+            return self.flush().map(|()| vec![]);
         }
         let mut staging = self.staging.lock().unwrap();
         if staging.as_ref().is_none_or(|s| s.size() < size) {
@@ -348,9 +349,14 @@ impl WgpuBackend {
             }));
         }
         let staging = staging.as_ref().unwrap();
-        let mut enc = self.device.create_command_encoder(&Default::default());
-        enc.copy_buffer_to_buffer(src, 0, staging, 0, size);
-        self.queue.submit([enc.finish()]);
+        // The copy goes in the submission of the step's last dispatches: one wait.
+        self.recorder.lock().unwrap().flush_and_copy(
+            &self.device,
+            &self.queue,
+            src,
+            staging,
+            size,
+        )?;
         let (tx, rx) = mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, ..size, move |r| {
             let _ = tx.send(r);
@@ -587,16 +593,23 @@ impl Backend for WgpuBackend {
         out: &mut WgpuBuffer,
     ) {
         let p = [rows as u32, dim as u32, eps.to_bits()];
+        // Rows of whole vectors that a workgroup holds in registers take the wide kernel.
+        let (entry, bindings) = if dim.is_multiple_of(4) && dim <= 4 * NORM_WIDE_VECS * WG as usize
+        {
+            ("add_rms_norm_wide", [6, 7, 8, 9])
+        } else {
+            ("add_rms_norm", [1, 2, 3, 4])
+        };
         self.dispatch(
             &shader::NORM,
-            "add_rms_norm",
+            entry,
             DType::F32,
             &p,
             &[
-                (1, &x.buf),
-                (2, &weight.buf),
-                (3, &out.buf),
-                (4, &residual.buf),
+                (bindings[0], &x.buf),
+                (bindings[1], &weight.buf),
+                (bindings[2], &out.buf),
+                (bindings[3], &residual.buf),
             ],
             rows,
         );
@@ -788,6 +801,50 @@ impl Backend for WgpuBackend {
                 (7, &qkv.buf),
             ],
             (rows * layout.kv_len() / 2).div_ceil(WG as usize),
+        );
+    }
+
+    fn rope_kv_write(
+        &self,
+        qkv: &mut WgpuBuffer,
+        layout: QkvLayout,
+        positions: &WgpuBuffer,
+        rows: usize,
+        cos_sin: &WgpuBuffer,
+        rotary_dim: usize,
+        slot_mapping: &WgpuBuffer,
+        cache: CacheLayout,
+        k_cache: &mut WgpuBuffer,
+        v_cache: &mut WgpuBuffer,
+    ) {
+        if !rotary_dim.is_multiple_of(4) || !layout.head_dim.is_multiple_of(2) {
+            self.rope(qkv, layout, positions, rows, cos_sin, rotary_dim);
+            return self.kv_write(qkv, layout, slot_mapping, rows, cache, k_cache, v_cache);
+        }
+        assert_eq!(k_cache.dtype, v_cache.dtype);
+        let p = words(&[
+            rows,
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_dim,
+            rotary_dim,
+            layout.row_len(),
+        ]);
+        let heads = layout.num_heads + 2 * layout.num_kv_heads;
+        self.dispatch(
+            &shader::ROPE,
+            "rope_kv_write",
+            k_cache.dtype,
+            &p,
+            &[
+                (1, &positions.buf),
+                (2, &cos_sin.buf),
+                (3, &qkv.buf),
+                (4, &slot_mapping.buf),
+                (5, &k_cache.buf),
+                (6, &v_cache.buf),
+            ],
+            (rows * heads * layout.head_dim / 2).div_ceil(WG as usize),
         );
     }
 

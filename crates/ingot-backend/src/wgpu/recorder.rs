@@ -1,11 +1,18 @@
-//! The ops of a step as a list of dispatches, sent to the GPU in compute passes of up to
-//! `SUBMIT_EVERY` dispatches: the GPU starts on the first ones while the host records the
-//! rest, and the host's cost of a submission is paid a few times per step.
+//! The ops of a step as a list of dispatches, sent to the GPU in compute passes: the first
+//! pass after the device was idle holds `FIRST_SUBMIT` dispatches, each next one twice as
+//! many up to `SUBMIT_EVERY`, so that the GPU starts soon after the step does and then runs
+//! while the host records the rest, paying the host's cost of a submission a few times per
+//! step.
 //!
 //! Each dispatch's small uniform block (sizes, offsets, eps) takes one slot of a params
 //! arena; a pass's slots are written with one queue write just before it is submitted,
 //! and the arena starts over only once the device is idle. wgpu orders the dispatches of
 //! a pass by the buffers they read and write.
+//!
+//! Bind groups are kept by (pipeline, params slot, buffers): a decode step records the
+//! same dispatches at the same slots as the one before it, and finds them all made. Those
+//! not used for `BIND_GROUP_IDLES` waits for the device are dropped with the buffers they
+//! hold.
 
 use anyhow::{anyhow, Result};
 use std::collections::HashMap;
@@ -14,11 +21,20 @@ use std::sync::mpsc;
 const PARAM_BYTES: usize = 64;
 /// Dispatches the params arena holds between two waits for the device.
 const MAX_DISPATCHES: usize = 4096;
-/// Dispatches recorded before they are submitted without waiting for a result.
+/// Dispatches of the first pass after the device was idle; each next pass doubles it.
+const FIRST_SUBMIT: usize = 4;
+/// The most dispatches recorded before they are submitted without waiting for a result.
 const SUBMIT_EVERY: usize = 64;
+/// Bind groups kept; the cache starts over when full (it holds its buffers alive).
+const MAX_BIND_GROUPS: usize = 8192;
+/// Waits for the device after which an unused bind group is dropped.
+const BIND_GROUP_IDLES: u64 = 64;
 /// Dispatches timed per submission while profiling: two timestamps each, and a query set
 /// holds at most `wgpu::QUERY_SET_MAX_QUERIES`.
 const PROFILED_DISPATCHES: usize = wgpu::QUERY_SET_MAX_QUERIES as usize / 2;
+
+/// A dispatch's pipeline, params offset and (binding, buffer) list.
+type BindGroupKey = (wgpu::ComputePipeline, usize, Vec<(u32, wgpu::Buffer)>);
 
 struct Dispatch {
     pipeline: wgpu::ComputePipeline,
@@ -47,6 +63,11 @@ pub struct Recorder {
     written: usize,
     /// Recorded, not yet submitted.
     dispatches: Vec<Dispatch>,
+    /// Dispatches the next pass is submitted at.
+    submit_at: usize,
+    /// Each with the count of `idle` calls when it was last used.
+    bind_groups: HashMap<BindGroupKey, (wgpu::BindGroup, u64)>,
+    idles: u64,
     profiler: Option<Profiler>,
     /// The error of a flush made to free room for a dispatch, for the next flush to return.
     failed: Option<anyhow::Error>,
@@ -67,6 +88,9 @@ impl Recorder {
             params: Vec::with_capacity(stride * MAX_DISPATCHES),
             written: 0,
             dispatches: Vec::with_capacity(MAX_DISPATCHES),
+            submit_at: FIRST_SUBMIT,
+            bind_groups: HashMap::new(),
+            idles: 0,
             profiler: None,
             failed: None,
         }
@@ -83,6 +107,13 @@ impl Recorder {
         if self.dispatches.is_empty() {
             self.params.clear();
             self.written = 0;
+            self.submit_at = FIRST_SUBMIT;
+        }
+        self.idles += 1;
+        if self.idles.is_multiple_of(BIND_GROUP_IDLES) {
+            let idles = self.idles;
+            self.bind_groups
+                .retain(|_, (_, used)| *used + BIND_GROUP_IDLES > idles);
         }
     }
 
@@ -165,23 +196,40 @@ impl Recorder {
         self.params
             .extend(params.iter().flat_map(|w| w.to_le_bytes()));
         self.params.resize(offset + self.stride, 0);
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: &self.arena,
-                offset: offset as u64,
-                size: wgpu::BufferSize::new(PARAM_BYTES as u64),
-            }),
-        }];
-        entries.extend(buffers.iter().map(|&(binding, b)| wgpu::BindGroupEntry {
-            binding,
-            resource: b.as_entire_binding(),
-        }));
-        let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipeline.get_bind_group_layout(0),
-            entries: &entries,
-        });
+        let key = (
+            pipeline.clone(),
+            offset,
+            buffers.iter().map(|&(i, b)| (i, b.clone())).collect(),
+        );
+        if !self.bind_groups.contains_key(&key) && self.bind_groups.len() == MAX_BIND_GROUPS {
+            self.bind_groups.clear();
+        }
+        let arena = &self.arena;
+        let bind_group =
+            self.bind_groups
+                .entry(key)
+                .or_insert_with_key(|(pipeline, offset, buffers)| {
+                    let mut entries = vec![wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                            buffer: arena,
+                            offset: *offset as u64,
+                            size: wgpu::BufferSize::new(PARAM_BYTES as u64),
+                        }),
+                    }];
+                    entries.extend(buffers.iter().map(|(binding, b)| wgpu::BindGroupEntry {
+                        binding: *binding,
+                        resource: b.as_entire_binding(),
+                    }));
+                    let group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: None,
+                        layout: &pipeline.get_bind_group_layout(0),
+                        entries: &entries,
+                    });
+                    (group, 0)
+                });
+        bind_group.1 = self.idles;
+        let bind_group = bind_group.0.clone();
         self.dispatches.push(Dispatch {
             pipeline,
             bind_group,
@@ -191,7 +239,7 @@ impl Recorder {
         let most = if self.profiler.is_some() {
             PROFILED_DISPATCHES
         } else {
-            SUBMIT_EVERY
+            self.submit_at
         };
         if self.dispatches.len() == most {
             self.submit_and_make_room(device, queue);
@@ -201,10 +249,37 @@ impl Recorder {
     /// Submits the recorded dispatches as one compute pass (one pass per dispatch while
     /// profiling, then waits for their timestamps).
     pub fn flush(&mut self, device: &wgpu::Device, queue: &wgpu::Queue) -> Result<()> {
+        self.submit(device, queue, None)
+    }
+
+    /// [`Recorder::flush`], with a copy of `bytes` bytes from `src` to `dst` after the
+    /// dispatches in the same submission.
+    pub fn flush_and_copy(
+        &mut self,
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        bytes: u64,
+    ) -> Result<()> {
+        self.submit(device, queue, Some((src, dst, bytes)))
+    }
+
+    fn submit(
+        &mut self,
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        copy: Option<(&wgpu::Buffer, &wgpu::Buffer, u64)>,
+    ) -> Result<()> {
         if let Some(e) = self.failed.take() {
             return Err(e);
         }
         if self.dispatches.is_empty() {
+            if let Some((src, dst, bytes)) = copy {
+                let mut enc = device.create_command_encoder(&Default::default());
+                enc.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
+                queue.submit([enc.finish()]);
+            }
             return Ok(());
         }
         queue.write_buffer(
@@ -242,7 +317,11 @@ impl Recorder {
                 enc.copy_buffer_to_buffer(&p.resolved, 0, &p.readback, 0, 8 * n as u64);
             }
         }
+        if let Some((src, dst, bytes)) = copy {
+            enc.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
+        }
         queue.submit([enc.finish()]);
+        self.submit_at = (2 * self.submit_at).min(SUBMIT_EVERY);
         let dispatches = std::mem::take(&mut self.dispatches);
         if let Some(p) = &mut self.profiler {
             let bytes = 8 * 2 * dispatches.len() as u64;

@@ -149,7 +149,16 @@ pub fn row_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                 &format!("embedding {wd}->{dtype} dim {dim}"),
             );
         }
-        for (rows, dim) in [(1, 1), (3, 7), (5, 576), (2, 1001), (4, 4096), (3, 5120)] {
+        for (rows, dim) in [
+            (1, 1),
+            (3, 7),
+            (5, 576),
+            (2, 1001),
+            (4, 4096),
+            (3, 5120),
+            (1, 8192),
+            (2, 8196),
+        ] {
             let n = rows * dim;
             let (x, r) = (
                 round(&randn(&mut rng, n), dtype),
@@ -412,54 +421,60 @@ pub fn rope_qk_norm_and_kv_write_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                     );
                 }
 
-                // The fused rope + kv_write against the two CPU ops.
-                let (mut gk, mut gv) = (up(g, &init, cache_dtype), up(g, &init, cache_dtype));
-                let mut gq = up(g, &qkv, dtype);
-                g.rope_kv_write(
-                    &mut gq,
-                    layout,
-                    &up_i32(g, &pos),
-                    rows,
-                    &up(g, &table, DType::F32),
-                    hd,
-                    &up_i32(g, &slots),
-                    cache,
-                    &mut gk,
-                    &mut gv,
-                );
-                let (mut ck, mut cv) = (up(&c, &init, DType::F32), up(&c, &init, DType::F32));
-                let mut cq = up(&c, &qkv, DType::F32);
-                c.rope(
-                    &mut cq,
-                    layout,
-                    &up_i32(&c, &pos),
-                    rows,
-                    &up(&c, &table, DType::F32),
-                    hd,
-                );
-                c.kv_write(
-                    &cq,
-                    layout,
-                    &up_i32(&c, &slots),
-                    rows,
-                    cache,
-                    &mut ck,
-                    &mut cv,
-                );
-                check(
-                    &g.download_f32(&gq, rows * rl).unwrap(),
-                    &c.download_f32(&cq, rows * rl).unwrap(),
-                    dtype,
-                    &format!("rope_kv_write queries {dtype} {layout:?}"),
-                );
-                for (gb, cb, what) in [(&gk, &ck, "keys"), (&gv, &cv, "values")] {
-                    let want = round(&c.download_f32(cb, n).unwrap(), cache_dtype);
-                    check(
-                        &g.download_f32(gb, n).unwrap(),
-                        &want,
-                        worse,
-                        &format!("rope_kv_write {what} {dtype} into {cache_dtype} {layout:?}"),
+                // The fused rope + kv_write against the two CPU ops, over the whole head
+                // and over half of it (partial rotary: the rest is copied).
+                for rot in [hd, hd / 2] {
+                    let table = cos_sin_table(50, rot);
+                    let (mut gk, mut gv) = (up(g, &init, cache_dtype), up(g, &init, cache_dtype));
+                    let mut gq = up(g, &qkv, dtype);
+                    g.rope_kv_write(
+                        &mut gq,
+                        layout,
+                        &up_i32(g, &pos),
+                        rows,
+                        &up(g, &table, DType::F32),
+                        rot,
+                        &up_i32(g, &slots),
+                        cache,
+                        &mut gk,
+                        &mut gv,
                     );
+                    let (mut ck, mut cv) = (up(&c, &init, DType::F32), up(&c, &init, DType::F32));
+                    let mut cq = up(&c, &qkv, DType::F32);
+                    c.rope(
+                        &mut cq,
+                        layout,
+                        &up_i32(&c, &pos),
+                        rows,
+                        &up(&c, &table, DType::F32),
+                        rot,
+                    );
+                    c.kv_write(
+                        &cq,
+                        layout,
+                        &up_i32(&c, &slots),
+                        rows,
+                        cache,
+                        &mut ck,
+                        &mut cv,
+                    );
+                    check(
+                        &g.download_f32(&gq, rows * rl).unwrap(),
+                        &c.download_f32(&cq, rows * rl).unwrap(),
+                        dtype,
+                        &format!("rope_kv_write queries {dtype} {layout:?} rot {rot}"),
+                    );
+                    for (gb, cb, what) in [(&gk, &ck, "keys"), (&gv, &cv, "values")] {
+                        let want = round(&c.download_f32(cb, n).unwrap(), cache_dtype);
+                        check(
+                            &g.download_f32(gb, n).unwrap(),
+                            &want,
+                            worse,
+                            &format!(
+                                "rope_kv_write {what} {dtype} into {cache_dtype} {layout:?} rot {rot}"
+                            ),
+                        );
+                    }
                 }
             }
         }

@@ -88,6 +88,9 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 @group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
 override WIDE_LANES: u32 = 32u;
 override WIDE_COLS: u32 = WG / WIDE_LANES;
+// A column's lane sums added 8 at a time, then those: two short chains, not one of
+// WIDE_LANES.
+var<workgroup> lane_sums: array<f32, 512>;
 
 // Row r of x times the 8 weights of piece g.
 fn xdot(r: u32, g: u32, w: W8) -> f32 {
@@ -160,14 +163,26 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
     partial[6u * WG + lid] = hi.z;
     partial[7u * WG + lid] = hi.w;
     workgroupBarrier();
+    // Sums of 8 lanes (or all of them, when fewer), then the column's total.
+    let eight = min(8u, WIDE_LANES);
+    let per = WIDE_LANES / eight;
+    for (var o = lid; o < WIDE_COLS * p.m * per; o += WG) {
+        let at = (o / (per * WIDE_COLS)) * WG + (o % (per * WIDE_COLS)) * eight;
+        var t = 0.0;
+        for (var i = 0u; i < eight; i++) {
+            t += partial[at + i];
+        }
+        lane_sums[o] = t;
+    }
+    workgroupBarrier();
     for (var o = lid; o < WIDE_COLS * p.m; o += WG) {
         let c = o % WIDE_COLS;
         let r = o / WIDE_COLS;
         let jj = (wg.y * nwg.x + wg.x) * WIDE_COLS + c;
         if (jj < p.n) {
             var t = 0.0;
-            for (var l = 0u; l < WIDE_LANES; l++) {
-                t += partial[r * WG + c * WIDE_LANES + l];
+            for (var i = 0u; i < per; i++) {
+                t += lane_sums[o * per + i];
             }
             store(r, jj, t);
         }

@@ -1,5 +1,5 @@
 // NeoX rotary embedding of the query and key heads of fused QKV rows, and the write of
-// each token's key and value heads to its cache slot.
+// each token's key and value heads to its cache slot: apart, or in one pass.
 
 struct P { rows: u32, q_heads: u32, kv_heads: u32, head_dim: u32, rot: u32, row_len: u32 }
 
@@ -54,4 +54,55 @@ fn kv_write(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: 
     let dst = u32(slot) * kv_len + e;
     kc_set2(dst, qkv_in[src], qkv_in[src + 1u]);
     vc_set2(dst, qkv_in[src + kv_len], qkv_in[src + kv_len + 1u]);
+}
+
+// rope then kv_write in one pass, for rot a multiple of 4: one thread per (row, query, key
+// or value head, pair 2j of the head). A thread with 2j < rot / 2 rotates the pairs
+// (2j, 2j + rot / 2) and (2j + 1, 2j + 1 + rot / 2), four elements no other thread
+// touches, so that key heads reach the cache in whole pairs; key pairs past rot are
+// copied, value pairs copied.
+@compute @workgroup_size(256)
+fn rope_kv_write(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let pairs = p.head_dim / 2u;
+    let heads = p.q_heads + 2u * p.kv_heads;
+    let t = (wg.y * nwg.x + wg.x) * WG + lid;
+    if (t >= p.rows * heads * pairs) {
+        return;
+    }
+    let e = 2u * (t % pairs);
+    let h = (t / pairs) % heads;
+    let row = t / (pairs * heads);
+    let slot = slots[row];
+    let base = row * p.row_len + h * p.head_dim;
+    let kv_len = p.kv_heads * p.head_dim;
+    if (h >= p.q_heads + p.kv_heads) {
+        if (slot >= 0) {
+            let dst = u32(slot) * kv_len + (h - p.q_heads - p.kv_heads) * p.head_dim + e;
+            vc_set2(dst, qkv[base + e], qkv[base + e + 1u]);
+        }
+        return;
+    }
+    let key = h >= p.q_heads && slot >= 0;
+    let dst = u32(slot) * kv_len + (h - p.q_heads) * p.head_dim + e;
+    let half = p.rot / 2u;
+    if (e < half) {
+        let cs = u32(positions[row]) * p.rot;
+        let c = vec2<f32>(cos_sin[cs + e], cos_sin[cs + e + 1u]);
+        let s = vec2<f32>(cos_sin[cs + half + e], cos_sin[cs + half + e + 1u]);
+        let a = vec2<f32>(qkv[base + e], qkv[base + e + 1u]);
+        let b = vec2<f32>(qkv[base + half + e], qkv[base + half + e + 1u]);
+        let ra = a * c - b * s;
+        let rb = b * c + a * s;
+        qkv[base + e] = ra.x;
+        qkv[base + e + 1u] = ra.y;
+        qkv[base + half + e] = rb.x;
+        qkv[base + half + e + 1u] = rb.y;
+        if (key) {
+            kc_set2(dst, ra.x, ra.y);
+            kc_set2(dst + half, rb.x, rb.y);
+        }
+    } else if (e >= p.rot && key) {
+        kc_set2(dst, qkv[base + e], qkv[base + e + 1u]);
+    }
 }
