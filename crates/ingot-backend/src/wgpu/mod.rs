@@ -665,7 +665,7 @@ impl Backend for WgpuBackend {
                     pipeline.clone(),
                     &p,
                     &wide,
-                    grid(n.div_ceil((WG / lanes) as usize)),
+                    grid(n.div_ceil(2 * (WG / lanes) as usize)),
                     || format!("{} lanes={lanes}", op("gemv_wide")),
                 );
             }
@@ -930,10 +930,16 @@ impl Backend for WgpuBackend {
             workspace.numel >= self.attention_workspace_len(layout, meta.num_seqs),
             "attention workspace too small"
         );
-        self.dispatch(
+        // Output elements per thread: fewer registers where the group's block is small.
+        let outs = (group * layout.head_dim).div_ceil(WG as usize) as u32;
+        let pipeline = self.pipeline(
             &shader::ATTENTION,
             "decode",
             k_cache.dtype,
+            &[("OUTS", outs)],
+        );
+        self.record(
+            pipeline,
             &p,
             &[
                 (1, &qkv.buf),
@@ -944,7 +950,8 @@ impl Backend for WgpuBackend {
                 (9, &k_cache.buf),
                 (10, &v_cache.buf),
             ],
-            meta.num_seqs * layout.num_kv_heads * DECODE_SPLITS,
+            grid(meta.num_seqs * layout.num_kv_heads * DECODE_SPLITS),
+            || format!("decode {}", k_cache.dtype),
         );
         self.dispatch(
             &shader::ATTENTION,

@@ -126,6 +126,9 @@ fn put_piece(i: u32, w: W8) {
     tile[b + 1u] = w.hi;
 }
 
+// Output elements per thread in `decode`: group * head_dim / WG, rounded up (at most 8).
+override OUTS: u32 = 8u;
+
 fn splits_of(keys: u32) -> u32 {
     return max(1u, min(p.max_splits, (keys + MIN_PART - 1u) / MIN_PART));
 }
@@ -222,7 +225,7 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             }
             head_sum[lid] = head_sum[lid] * head_corr[lid] + sum;
         }
-        for (var q = 0u; q < 8u; q++) {
+        for (var q = 0u; q < OUTS; q++) {
             let o = lid + q * WG;
             if (o < group * hd) {
                 let gg = o / hd;
@@ -237,7 +240,7 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
         workgroupBarrier();
     }
     let whole = splits_of(keys) == 1u;
-    for (var q = 0u; q < 8u; q++) {
+    for (var q = 0u; q < OUTS; q++) {
         let o = lid + q * WG;
         if (o < group * hd) {
             let h = kvh * group + o / hd;

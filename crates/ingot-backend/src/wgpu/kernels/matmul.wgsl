@@ -82,109 +82,155 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 
 // The GEMV for k a multiple of 8: each thread reads 8 weights (16 bytes at 16 bits) at a
 // time, WIDE_LANES threads per column read WIDE_LANES consecutive 16-byte pieces of its
-// row, and each has two pieces in flight. The host sets WIDE_LANES (a power of two, at
+// row. Each thread takes two columns, WIDE_COLS apart, and has two pieces of each in
+// flight; the x pieces it loads serve both. The host sets WIDE_LANES (a power of two, at
 // most 64) per product shape. The sums of a row do not depend on m (a row is computed the
 // same alone or in a batch).
 @group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
 override WIDE_LANES: u32 = 32u;
 override WIDE_COLS: u32 = WG / WIDE_LANES;
-// A column's lane sums added 8 at a time, then those: two short chains, not one of
-// WIDE_LANES.
-var<workgroup> lane_sums: array<f32, 512>;
+// [column set][row][thread] sums, then a column's lane sums added 8 at a time, then those
+// (two short chains, not one of WIDE_LANES).
+var<workgroup> wide_partial: array<f32, 4096>;
+var<workgroup> lane_sums: array<f32, 1024>;
 
-// Row r of x times the 8 weights of piece g.
-fn xdot(r: u32, g: u32, w: W8) -> f32 {
+// Piece g (8 elements) of row r of x.
+fn x_piece(r: u32, g: u32) -> W8 {
     let b = (p.row0 + r) * (p.k / 4u) + 2u * g;
-    return dot(x4[b], w.lo) + dot(x4[b + 1u], w.hi);
+    return W8(x4[b], x4[b + 1u]);
 }
 
-fn xdot4(r0: u32, last: u32, g: u32, w: W8) -> vec4<f32> {
-    return vec4<f32>(xdot(min(r0, last), g, w), xdot(min(r0 + 1u, last), g, w),
-                     xdot(min(r0 + 2u, last), g, w), xdot(min(r0 + 3u, last), g, w));
+fn dot8(x: W8, w: W8) -> f32 {
+    return dot(x.lo, w.lo) + dot(x.hi, w.hi);
+}
+
+// Rows r0 .. r0 + 4 (past m: row m - 1) of x times the weights w and v of piece g.
+struct Dots4 { w: vec4<f32>, v: vec4<f32> }
+
+fn dots4(r0: u32, last: u32, g: u32, w: W8, v: W8) -> Dots4 {
+    var d: Dots4;
+    for (var i = 0u; i < 4u; i++) {
+        let x = x_piece(min(r0 + i, last), g);
+        d.w[i] = dot8(x, w);
+        d.v[i] = dot8(x, v);
+    }
+    return d;
 }
 
 @compute @workgroup_size(256)
 fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
              @builtin(local_invocation_index) lid: u32) {
     let lane = lid % WIDE_LANES;
-    let j = (wg.y * nwg.x + wg.x) * WIDE_COLS + lid / WIDE_LANES;
+    let col0 = (wg.y * nwg.x + wg.x) * 2u * WIDE_COLS;
+    let j = col0 + lid / WIDE_LANES;
     let groups = p.k / 8u;
-    // Rows 0-3 and 4-7; pieces at even and odd steps in separate sums (two loads in
-    // flight), added at the end.
-    var lo = vec4<f32>();
-    var hi = vec4<f32>();
+    let l = WIDE_LANES;
+    // Rows 0-3 and 4-7 of columns j (a) and j + WIDE_COLS (b); pieces at even and odd
+    // steps in separate sums (two loads in flight), added at the end. A second column
+    // past n repeats the first and is not stored.
+    var a_lo = vec4<f32>();
+    var a_hi = vec4<f32>();
+    var b_lo = vec4<f32>();
+    var b_hi = vec4<f32>();
     if (j < p.n) {
-        let base = j * groups;
+        let base_a = j * groups;
+        let base_b = select(j, j + WIDE_COLS, j + WIDE_COLS < p.n) * groups;
         let last = p.m - 1u;
         var g = lane;
         if (p.m == 1u) {
-            var a0 = 0.0;
-            var a1 = 0.0;
-            for (; g + WIDE_LANES < groups; g += 2u * WIDE_LANES) {
-                let w0 = w_at8(base + g);
-                let w1 = w_at8(base + g + WIDE_LANES);
-                a0 += xdot(0u, g, w0);
-                a1 += xdot(0u, g + WIDE_LANES, w1);
+            var a = vec2<f32>();
+            var b = vec2<f32>();
+            for (; g + l < groups; g += 2u * l) {
+                let w0 = w_at8(base_a + g);
+                let w1 = w_at8(base_a + g + l);
+                let v0 = w_at8(base_b + g);
+                let v1 = w_at8(base_b + g + l);
+                let x0 = x_piece(0u, g);
+                let x1 = x_piece(0u, g + l);
+                a += vec2<f32>(dot8(x0, w0), dot8(x1, w1));
+                b += vec2<f32>(dot8(x0, v0), dot8(x1, v1));
             }
             if (g < groups) {
-                a0 += xdot(0u, g, w_at8(base + g));
+                let x0 = x_piece(0u, g);
+                a.x += dot8(x0, w_at8(base_a + g));
+                b.x += dot8(x0, w_at8(base_b + g));
             }
-            lo.x = a0 + a1;
+            a_lo.x = a.x + a.y;
+            b_lo.x = b.x + b.y;
         } else {
-            var lo1 = vec4<f32>();
-            var hi1 = vec4<f32>();
-            for (; g + WIDE_LANES < groups; g += 2u * WIDE_LANES) {
-                let w0 = w_at8(base + g);
-                let w1 = w_at8(base + g + WIDE_LANES);
-                lo += xdot4(0u, last, g, w0);
-                lo1 += xdot4(0u, last, g + WIDE_LANES, w1);
+            var a_lo1 = vec4<f32>();
+            var a_hi1 = vec4<f32>();
+            var b_lo1 = vec4<f32>();
+            var b_hi1 = vec4<f32>();
+            for (; g + l < groups; g += 2u * l) {
+                let w0 = w_at8(base_a + g);
+                let w1 = w_at8(base_a + g + l);
+                let v0 = w_at8(base_b + g);
+                let v1 = w_at8(base_b + g + l);
+                let d0 = dots4(0u, last, g, w0, v0);
+                let d1 = dots4(0u, last, g + l, w1, v1);
+                a_lo += d0.w;
+                b_lo += d0.v;
+                a_lo1 += d1.w;
+                b_lo1 += d1.v;
                 if (p.m > 4u) {
-                    hi += xdot4(4u, last, g, w0);
-                    hi1 += xdot4(4u, last, g + WIDE_LANES, w1);
+                    let e0 = dots4(4u, last, g, w0, v0);
+                    let e1 = dots4(4u, last, g + l, w1, v1);
+                    a_hi += e0.w;
+                    b_hi += e0.v;
+                    a_hi1 += e1.w;
+                    b_hi1 += e1.v;
                 }
             }
             if (g < groups) {
-                let w0 = w_at8(base + g);
-                lo += xdot4(0u, last, g, w0);
+                let w0 = w_at8(base_a + g);
+                let v0 = w_at8(base_b + g);
+                let d0 = dots4(0u, last, g, w0, v0);
+                a_lo += d0.w;
+                b_lo += d0.v;
                 if (p.m > 4u) {
-                    hi += xdot4(4u, last, g, w0);
+                    let e0 = dots4(4u, last, g, w0, v0);
+                    a_hi += e0.w;
+                    b_hi += e0.v;
                 }
             }
-            lo += lo1;
-            hi += hi1;
+            a_lo += a_lo1;
+            a_hi += a_hi1;
+            b_lo += b_lo1;
+            b_hi += b_hi1;
         }
     }
-    partial[lid] = lo.x;
-    partial[WG + lid] = lo.y;
-    partial[2u * WG + lid] = lo.z;
-    partial[3u * WG + lid] = lo.w;
-    partial[4u * WG + lid] = hi.x;
-    partial[5u * WG + lid] = hi.y;
-    partial[6u * WG + lid] = hi.z;
-    partial[7u * WG + lid] = hi.w;
+    for (var i = 0u; i < 4u; i++) {
+        wide_partial[i * WG + lid] = a_lo[i];
+        wide_partial[(4u + i) * WG + lid] = a_hi[i];
+        wide_partial[(8u + i) * WG + lid] = b_lo[i];
+        wide_partial[(12u + i) * WG + lid] = b_hi[i];
+    }
     workgroupBarrier();
-    // Sums of 8 lanes (or all of them, when fewer), then the column's total.
+    // Sums of 8 lanes (or all of them, when fewer), then each column's total; o counts
+    // (column set, row, column, lane group).
     let eight = min(8u, WIDE_LANES);
     let per = WIDE_LANES / eight;
-    for (var o = lid; o < WIDE_COLS * p.m * per; o += WG) {
-        let at = (o / (per * WIDE_COLS)) * WG + (o % (per * WIDE_COLS)) * eight;
+    let per_set = WIDE_COLS * p.m * per;
+    for (var o = lid; o < 2u * per_set; o += WG) {
+        let r = (o % per_set) / (per * WIDE_COLS);
+        let at = ((o / per_set) * 8u + r) * WG + (o % (per * WIDE_COLS)) * eight;
         var t = 0.0;
         for (var i = 0u; i < eight; i++) {
-            t += partial[at + i];
+            t += wide_partial[at + i];
         }
         lane_sums[o] = t;
     }
     workgroupBarrier();
-    for (var o = lid; o < WIDE_COLS * p.m; o += WG) {
-        let c = o % WIDE_COLS;
-        let r = o / WIDE_COLS;
-        let jj = (wg.y * nwg.x + wg.x) * WIDE_COLS + c;
+    for (var o = lid; o < 2u * WIDE_COLS * p.m; o += WG) {
+        let in_set = o % (WIDE_COLS * p.m);
+        let jj = col0 + (o / (WIDE_COLS * p.m)) * WIDE_COLS + in_set % WIDE_COLS;
         if (jj < p.n) {
             var t = 0.0;
             for (var i = 0u; i < per; i++) {
                 t += lane_sums[o * per + i];
             }
-            store(r, jj, t);
+            store(in_set / WIDE_COLS, jj, t);
         }
     }
 }
