@@ -61,6 +61,15 @@ fn matmul_matches_the_cpu_and_writes_only_its_columns() {
     }
 }
 
+/// Decode batches of up to 64 rows go through the wide GEMV, whose sums per row do not
+/// depend on the other rows.
+#[test]
+fn decode_matmul_rows_do_not_depend_on_the_batch() {
+    for g in backends() {
+        conformance::decode_matmul_rows_do_not_depend_on_the_batch(&g, 64);
+    }
+}
+
 #[test]
 fn silu_mul_matmul_matches_the_cpu() {
     for g in backends() {

@@ -859,6 +859,52 @@ pub fn decode_attention_does_not_depend_on_the_batch<G: Backend>(
     }
 }
 
+/// A decode row's product is bitwise the same alone and in a batch of up to `max_rows`
+/// rows, for backends that promise it for `k` a multiple of 8 (so that a decode step's
+/// tokens do not depend on the other sequences in it).
+pub fn decode_matmul_rows_do_not_depend_on_the_batch<G: Backend>(g: &G, max_rows: usize) {
+    let mut rng = StdRng::seed_from_u64(9);
+    for (n, k) in [(33, 64), (300, 1000), (5, 4096)] {
+        for wd in FLOATS {
+            let w = up(g, &round(&randn(&mut rng, n * k), wd), wd);
+            let x = randn(&mut rng, max_rows * k);
+            let alone: Vec<Vec<f32>> = x
+                .chunks(k)
+                .map(|row| {
+                    let mut out = poisoned(g, DType::F32, n);
+                    let o = MatmulOut {
+                        buf: &mut out,
+                        row_stride: n,
+                        col_offset: 0,
+                    };
+                    g.matmul(&up(g, row, DType::F32), &w, None, 1, n, k, o);
+                    g.download_f32(&out, n).unwrap()
+                })
+                .collect();
+            for m in [2, 5, 8, 9, 16, 37, max_rows] {
+                let mut out = poisoned(g, DType::F32, m * n);
+                let o = MatmulOut {
+                    buf: &mut out,
+                    row_stride: n,
+                    col_offset: 0,
+                };
+                g.matmul(&up(g, &x[..m * k], DType::F32), &w, None, m, n, k, o);
+                let got = g.download_f32(&out, m * n).unwrap();
+                for (r, want) in alone[..m].iter().enumerate() {
+                    assert_eq!(
+                        got[r * n..][..n]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "row {r} of {m}, {n}x{k} {wd}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 pub fn argmax_picks_the_first_maximum_like_the_cpu<G: Backend>(g: &G) {
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(6);
