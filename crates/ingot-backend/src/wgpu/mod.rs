@@ -30,6 +30,8 @@ const NORM_WIDE_VECS: usize = 8;
 const GEMV_COLS: usize = 32;
 /// Most parts the context of a decode row is split into (the decode kernel's max_splits).
 const DECODE_SPLITS: usize = 32;
+// decode_reduce holds a sequence's split maxima and sums in arrays of 64.
+const _: () = assert!(DECODE_SPLITS <= 64);
 /// Query rows of one workgroup of the prefill attention kernel (its Q_TILE).
 const PREFILL_ROWS: usize = 16;
 /// Workgroups along x of a dispatch; more go to y (the limit is 65535 per dimension).

@@ -112,6 +112,8 @@ const MIN_PART: u32 = 32u;
 // vec4 so that threads scoring different keys read different banks.
 var<workgroup> qs: array<vec4<f32>, 512>;
 var<workgroup> tile: array<vec4<f32>, 1056>;
+// The values of `decode`'s tile, loaded with its keys.
+var<workgroup> vtile: array<vec4<f32>, 1056>;
 var<workgroup> sc: array<f32, 512>;
 // Per query vector of the workgroup (a head of the group in `decode`, a row in `prefill`).
 var<workgroup> head_max: array<f32, 16>;
@@ -128,6 +130,14 @@ fn put_piece(i: u32, w: W8) {
 
 // Output elements per thread in `decode`: group * head_dim / WG, rounded up (at most 8).
 override OUTS: u32 = 8u;
+
+// Piece i of the value tile of `decode`, laid out as `put_piece` lays out keys.
+fn put_value_piece(i: u32, w: W8) {
+    let pieces = p.head_dim / 8u;
+    let b = (i / pieces) * (p.head_dim / 4u + 1u) + (i % pieces) * 2u;
+    vtile[b] = w.lo;
+    vtile[b + 1u] = w.hi;
+}
 
 fn splits_of(keys: u32) -> u32 {
     return max(1u, min(p.max_splits, (keys + MIN_PART - 1u) / MIN_PART));
@@ -175,15 +185,17 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
         head_max[lid] = NEG_BIG;
         head_sum[lid] = 0.0;
     }
-    // Output element o = lid + WG * q of the group's [group, head_dim] block.
+    // Output element o = lid + WG * q of the group's [group, head_dim] block. The
+    // barrier after the first tile's loads also covers the query and head_* writes.
     var acc: array<f32, 8>;
-    workgroupBarrier();
     let g = lid / tn;
     let t = lid % tn;
     for (var t0 = t_begin; t0 < t_end; t0 += tn) {
         let nt = min(tn, t_end - t0);
         for (var i = lid; i < nt * pieces; i += WG) {
-            put_piece(i, kc_at8(cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces));
+            let at = cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces;
+            put_piece(i, kc_at8(at));
+            put_value_piece(i, vc_at8(at));
         }
         workgroupBarrier();
         if (g < group) {
@@ -214,9 +226,6 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             }
             sc[lid] = pr;
         }
-        for (var i = lid; i < nt * pieces; i += WG) {
-            put_piece(i, vc_at8(cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces));
-        }
         workgroupBarrier();
         if (lid < group) {
             var sum = 0.0;
@@ -232,7 +241,7 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
                 let d = o % hd;
                 var a = acc[q] * head_corr[gg];
                 for (var j = 0u; j < nt; j++) {
-                    a += sc[gg * tn + j] * tile[j * stride + d / 4u][d % 4u];
+                    a += sc[gg * tn + j] * vtile[j * stride + d / 4u][d % 4u];
                 }
                 acc[q] = a;
             }
@@ -259,14 +268,18 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
     }
 }
 
-// Merges the splits of `decode`: one workgroup per (sequence, query head).
+// Merges the splits of `decode`: one workgroup per (sequence, query head). The splits'
+// maxima and sums are read once, in parallel, into workgroup memory.
+var<workgroup> split_max: array<f32, 64>;
+var<workgroup> split_sum: array<f32, 64>;
+
 @compute @workgroup_size(256)
 fn decode_reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
     let idx = wg.y * nwg.x + wg.x;
     let seq = idx / p.q_heads;
     let h = idx % p.q_heads;
-    if (seq >= p.num_seqs || lid >= p.head_dim) {
+    if (seq >= p.num_seqs) {
         return;
     }
     let keys = u32(seq_lens[seq]);
@@ -274,17 +287,25 @@ fn decode_reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) 
         return;
     }
     let used = (keys + part_of(keys) - 1u) / part_of(keys);
+    if (lid < used) {
+        let at = parts_index(seq, h, lid);
+        split_max[lid] = parts[at];
+        split_sum[lid] = parts[at + 1u];
+    }
+    workgroupBarrier();
+    if (lid >= p.head_dim) {
+        return;
+    }
     var mx = NEG_BIG;
     for (var s = 0u; s < used; s++) {
-        mx = max(mx, parts[parts_index(seq, h, s)]);
+        mx = max(mx, split_max[s]);
     }
     var sum = 0.0;
     var a = 0.0;
     for (var s = 0u; s < used; s++) {
-        let at = parts_index(seq, h, s);
-        let c = exp(parts[at] - mx);
-        sum += parts[at + 1u] * c;
-        a += parts[at + 2u + lid] * c;
+        let c = exp(split_max[s] - mx);
+        sum += split_sum[s] * c;
+        a += parts[parts_index(seq, h, s) + 2u + lid] * c;
     }
     out[(seq * p.q_heads + h) * p.head_dim + lid] = a / sum;
 }
