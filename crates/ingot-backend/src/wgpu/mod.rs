@@ -888,31 +888,23 @@ impl Backend for WgpuBackend {
             && group * layout.head_dim <= 2048
             && layout.head_dim.is_multiple_of(8);
         let tiled = layout.head_dim <= 128 && layout.head_dim.is_multiple_of(8);
-        if !decode && tiled {
-            let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
-            p.push(q_tiles as u32);
-            self.dispatch(
-                &shader::ATTENTION,
-                "prefill",
-                k_cache.dtype,
-                &p,
-                &[
-                    (1, &qkv.buf),
-                    (2, &meta.query_start_loc.buf),
-                    (3, &meta.seq_lens.buf),
-                    (4, &meta.block_tables.buf),
-                    (7, &out.buf),
-                    (9, &k_cache.buf),
-                    (10, &v_cache.buf),
-                ],
-                meta.num_seqs * q_tiles * layout.num_heads,
-            );
-            return;
-        }
         if !decode {
+            // Prefill and mixed steps: tiles of PREFILL_ROWS query rows share each key tile
+            // where head_dim allows (16-byte cache bindings), else one row a workgroup.
+            let (entry, kv, groups) = if tiled {
+                let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
+                p.push(q_tiles as u32);
+                (
+                    "prefill",
+                    [9, 10],
+                    meta.num_seqs * q_tiles * layout.num_heads,
+                )
+            } else {
+                ("attention", [5, 6], rows * layout.num_heads)
+            };
             self.dispatch(
                 &shader::ATTENTION,
-                "attention",
+                entry,
                 k_cache.dtype,
                 &p,
                 &[
@@ -920,11 +912,11 @@ impl Backend for WgpuBackend {
                     (2, &meta.query_start_loc.buf),
                     (3, &meta.seq_lens.buf),
                     (4, &meta.block_tables.buf),
-                    (5, &k_cache.buf),
-                    (6, &v_cache.buf),
                     (7, &out.buf),
+                    (kv[0], &k_cache.buf),
+                    (kv[1], &v_cache.buf),
                 ],
-                rows * layout.num_heads,
+                groups,
             );
             return;
         }

@@ -139,6 +139,31 @@ fn put_value_piece(i: u32, w: W8) {
     vtile[b + 1u] = w.hi;
 }
 
+// The online softmax steps of `decode` and `prefill`: one thread per query vector
+// (< `vectors`), over a tile's `nt` scores in `sc` (rows of `tn`). This one moves the
+// running maximum and sets the factor the vector's earlier sum and outputs take.
+fn update_max(lid: u32, vectors: u32, nt: u32, tn: u32) {
+    if (lid < vectors) {
+        var mx = head_max[lid];
+        for (var j = 0u; j < nt; j++) {
+            mx = max(mx, sc[lid * tn + j]);
+        }
+        head_corr[lid] = exp(head_max[lid] - mx);
+        head_max[lid] = mx;
+    }
+}
+
+// The running sum, once `sc` holds the tile's probabilities.
+fn update_sum(lid: u32, vectors: u32, nt: u32, tn: u32) {
+    if (lid < vectors) {
+        var sum = 0.0;
+        for (var j = 0u; j < nt; j++) {
+            sum += sc[lid * tn + j];
+        }
+        head_sum[lid] = head_sum[lid] * head_corr[lid] + sum;
+    }
+}
+
 fn splits_of(keys: u32) -> u32 {
     return max(1u, min(p.max_splits, (keys + MIN_PART - 1u) / MIN_PART));
 }
@@ -210,14 +235,7 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             sc[lid] = s;
         }
         workgroupBarrier();
-        if (lid < group) {
-            var mx = head_max[lid];
-            for (var j = 0u; j < nt; j++) {
-                mx = max(mx, sc[lid * tn + j]);
-            }
-            head_corr[lid] = exp(head_max[lid] - mx);
-            head_max[lid] = mx;
-        }
+        update_max(lid, group, nt, tn);
         workgroupBarrier();
         if (g < group) {
             var pr = 0.0;
@@ -227,13 +245,7 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             sc[lid] = pr;
         }
         workgroupBarrier();
-        if (lid < group) {
-            var sum = 0.0;
-            for (var j = 0u; j < nt; j++) {
-                sum += sc[lid * tn + j];
-            }
-            head_sum[lid] = head_sum[lid] * head_corr[lid] + sum;
-        }
+        update_sum(lid, group, nt, tn);
         for (var q = 0u; q < OUTS; q++) {
             let o = lid + q * WG;
             if (o < group * hd) {
@@ -374,14 +386,7 @@ fn prefill(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: v
             sc[i * tn + j] = s;
         }
         workgroupBarrier();
-        if (lid < nr) {
-            var mx = head_max[lid];
-            for (var j = 0u; j < nt; j++) {
-                mx = max(mx, sc[lid * tn + j]);
-            }
-            head_corr[lid] = exp(head_max[lid] - mx);
-            head_max[lid] = mx;
-        }
+        update_max(lid, nr, nt, tn);
         workgroupBarrier();
         for (var half = 0u; half < 2u; half++) {
             let j = lid % 16u + 16u * half;
@@ -395,13 +400,7 @@ fn prefill(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: v
             put_piece(v, vc_at8(cache_index(seq, t0 + v / pieces, kvh) / 8u + v % pieces));
         }
         workgroupBarrier();
-        if (lid < nr) {
-            var sum = 0.0;
-            for (var j = 0u; j < nt; j++) {
-                sum += sc[lid * tn + j];
-            }
-            head_sum[lid] = head_sum[lid] * head_corr[lid] + sum;
-        }
+        update_sum(lid, nr, nt, tn);
         for (var q = 0u; q < 8u; q++) {
             let o = lid + q * WG;
             if (o < nr * hd) {
