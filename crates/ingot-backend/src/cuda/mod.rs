@@ -27,6 +27,10 @@ use std::sync::{Arc, Mutex};
 /// Splits of a token's context in split-KV attention: enough blocks to fill the GPU at
 /// batch 1, few enough partial results to merge cheaply.
 const NUM_SPLITS: usize = 16;
+const _: () = assert!(
+    NUM_SPLITS <= 32,
+    "split_kv_reduce weighs one split per lane"
+);
 /// Fewest tokens one split takes, so short contexts are not cut into slivers and a block
 /// runs long enough over its keys to hide their loading. Same-machine A/B at
 /// Llama-3.1-8B shapes (1024-token contexts), against 64: batch 1 161.2 vs 161.9 tok/s,
@@ -287,10 +291,16 @@ impl CudaBackend {
         let partials = rows * layout.num_heads * NUM_SPLITS;
         let ws_o = workspace.ptr;
         let ws_ml = workspace.at(partials * d);
-        launch!(self, format!("split_kv_attention_{t}_{c}_d{d}"),
-            (heads_x, rows as u32, NUM_SPLITS as u32), 128;
-            qkv_p, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, splits, min_part,
-            ws_o, ws_ml);
+        let grid = (heads_x, rows as u32, NUM_SPLITS as u32);
+        if k_cache.dtype == DType::F32 {
+            launch!(self, format!("split_kv_attention_{t}_{c}_d{d}"), grid, 128;
+                qkv_p, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, splits,
+                min_part, ws_o, ws_ml);
+        } else {
+            launch!(self, format!("split_kv_mma_{t}_{c}_d{d}"), grid, 32;
+                qkv_p, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, splits,
+                min_part, ws_o, ws_ml);
+        }
         let (o, hd) = (out.ptr, d as i32);
         launch!(self, format!("split_kv_reduce_{t}"),
             (layout.num_heads as u32, rows as u32, 1), row_threads(d).min(128);
@@ -299,7 +309,7 @@ impl CudaBackend {
 
     /// Whether a product of `m` rows runs through the GEMV kernels: a few rows of 16-bit
     /// activations, where they read the weights at full bandwidth and cuBLASLt's small-batch
-    /// kernels fall short.
+    /// kernels fall short. Their f32 bias is added before the output is rounded.
     fn gemv_fits(
         &self,
         x: &CudaBuffer,
@@ -309,7 +319,7 @@ impl CudaBackend {
         bias: Option<&CudaBuffer>,
     ) -> bool {
         m <= GEMV_MAX_ROWS
-            && bias.is_none()
+            && bias.is_none_or(|b| b.dtype == DType::F32)
             && matches!(x.dtype, DType::F16 | DType::BF16)
             && x.dtype == w.dtype
             && k.is_multiple_of(8)
@@ -323,6 +333,7 @@ impl CudaBackend {
         kernel: &str,
         x: &CudaBuffer,
         w: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
         m: usize,
         n: usize,
         k: usize,
@@ -330,9 +341,10 @@ impl CudaBackend {
     ) {
         let o = out.buf.at(out.col_offset);
         let (xp, wp, nn, kk, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out.row_stride as i64);
+        let bp = bias.map_or(0, |b| b.ptr);
         launch!(self, format!("{kernel}_{}_{}_m{m}", suffix(x.dtype), suffix(out.buf.dtype)),
             label = format!("{kernel} m{m} n{n} k{k}"),
-            (n.div_ceil(gemv_columns(m)) as u32, 1, 1), 256; xp, wp, nn, kk, o, ldl);
+            (n.div_ceil(gemv_columns(m)) as u32, 1, 1), 256; xp, wp, bp, nn, kk, o, ldl);
     }
 
     /// Workspace f32 elements one row of split-KV attention needs.
@@ -583,7 +595,7 @@ impl Backend for CudaBackend {
                 row_stride: ld,
                 col_offset,
             };
-            return self.gemv("gemv", x, w, m, n, k, out);
+            return self.gemv("gemv", x, w, bias, m, n, k, out);
         }
         let mut applied = Ok(true);
         let op = format!("matmul m{m} n{n} k{k}");
@@ -729,7 +741,7 @@ impl Backend for CudaBackend {
         out: MatmulOut<'_, Self>,
     ) {
         if self.gemv_fits(gate_up, w, m, ffn, None) {
-            self.gemv("gemv_silu", gate_up, w, m, n, ffn, out);
+            self.gemv("gemv_silu", gate_up, w, None, m, n, ffn, out);
         } else {
             self.silu_mul(gate_up, m, ffn, act);
             self.matmul(act, w, None, m, n, ffn, out);

@@ -1,6 +1,6 @@
 // Matrix-vector products for decode steps of a few rows: out[r, j] = Σ_k x[r, k] · w[j, k]
-// for r < M (1 to 4), optionally with x = silu(gate) * up computed as it is read (the MLP's
-// down projection). A block of 256 threads owns COLS output columns: every thread reads
+// (+ bias[j], f32, added before the one rounding to O) for r < M (1 to 4), optionally with
+// x = silu(gate) * up computed as it is read (the MLP's down projection). A block of 256 threads owns COLS output columns: every thread reads
 // 16 bytes of each of the COLS weight rows per step along k (so many independent loads are
 // in flight), the partial sums meet in shared memory. Weights, the bytes that bound a
 // decode step, are read once; f32 accumulation in an order that does not depend on M.
@@ -33,9 +33,11 @@ __device__ __forceinline__ void load_x(const T* x, int k, int r, int kk, float* 
     }
 }
 
-// Grid: ceil(n / COLS) blocks. k is a multiple of 8 and x and w are 16-byte aligned.
+// Grid: ceil(n / COLS) blocks. k is a multiple of 8 and x and w are 16-byte aligned; bias
+// may be null.
 template <typename T, typename O, int M, bool SILU, int COLS>
-__device__ void gemv(const T* x, const T* w, int n, int k, O* out, long long ld) {
+__device__ void gemv(const T* x, const T* w, const float* bias, int n, int k, O* out,
+                     long long ld) {
     __shared__ float partial[THREADS / 32][M][COLS];
     const int j0 = blockIdx.x * COLS;
     const int rows = min(COLS, n - j0);
@@ -79,6 +81,7 @@ __device__ void gemv(const T* x, const T* w, int n, int k, O* out, long long ld)
             float v = 0.0f;
 #pragma unroll
             for (int q = 0; q < THREADS / 32; q++) v += partial[q][r][c];
+            if (bias) v += bias[j0 + c];
             out[r * ld + j0 + c] = from_f32<O>(v);
         }
     }
@@ -86,12 +89,12 @@ __device__ void gemv(const T* x, const T* w, int n, int k, O* out, long long ld)
 
 #define GEMV(T, S, O, SO, M)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_##S##_##SO##_m##M(                  \
-        const T* x, const T* w, int n, int k, O* out, long long ld) {                              \
-        gemv<T, O, M, false, (M == 1 ? 2 : 4)>(x, w, n, k, out, ld);                               \
+        const T* x, const T* w, const float* bias, int n, int k, O* out, long long ld) {           \
+        gemv<T, O, M, false, (M == 1 ? 2 : 4)>(x, w, bias, n, k, out, ld);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_silu_##S##_##SO##_m##M(             \
-        const T* x, const T* w, int n, int k, O* out, long long ld) {                              \
-        gemv<T, O, M, true, (M == 1 ? 2 : 4)>(x, w, n, k, out, ld);                                \
+        const T* x, const T* w, const float* bias, int n, int k, O* out, long long ld) {           \
+        gemv<T, O, M, true, (M == 1 ? 2 : 4)>(x, w, bias, n, k, out, ld);                          \
     }
 
 #define GEMV_ALL(T, S, O, SO) GEMV(T, S, O, SO, 1) GEMV(T, S, O, SO, 2) GEMV(T, S, O, SO, 3) GEMV(T, S, O, SO, 4)
