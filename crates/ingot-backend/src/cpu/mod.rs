@@ -4,6 +4,7 @@
 mod attention;
 mod buffer;
 mod matmul;
+mod profile;
 mod topology;
 
 pub use buffer::CpuBuffer;
@@ -26,6 +27,7 @@ unsafe impl Sync for SendPtr {}
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     scratch: Mutex<matmul::ActivationScratch>,
+    profile: profile::OpProfiler,
 }
 
 impl CpuBackend {
@@ -40,6 +42,7 @@ impl CpuBackend {
         Ok(CpuBackend {
             pool,
             scratch: Mutex::new(matmul::ActivationScratch::new()),
+            profile: profile::OpProfiler::default(),
         })
     }
 
@@ -118,6 +121,16 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
+    fn start_op_profile(&self) -> anyhow::Result<()> {
+        self.profile.start();
+        Ok(())
+    }
+
+    /// Wall time per op (the CPU's ops finish inside their call).
+    fn op_profile(&self) -> Vec<(String, u64, f64)> {
+        self.profile.totals()
+    }
+
     fn embedding(
         &self,
         table: &CpuBuffer,
@@ -126,6 +139,7 @@ impl Backend for CpuBackend {
         dim: usize,
         out: &mut CpuBuffer,
     ) {
+        let _t = self.profile.time(|| "embedding".into());
         let rb = table.row_bytes(dim);
         let bytes = table.bytes();
         let vocab = bytes.len() / rb;
@@ -154,6 +168,7 @@ impl Backend for CpuBackend {
         dim: usize,
         out: &mut CpuBuffer,
     ) {
+        let _t = self.profile.time(|| "rms_norm".into());
         let (x, w) = (&x.f32()[..rows * dim], &weight.f32()[..dim]);
         self.pool.install(|| {
             out.f32_mut()[..rows * dim]
@@ -173,6 +188,7 @@ impl Backend for CpuBackend {
         dim: usize,
         out: &mut CpuBuffer,
     ) {
+        let _t = self.profile.time(|| "add_rms_norm".into());
         let (x, w) = (&x.f32()[..rows * dim], &weight.f32()[..dim]);
         self.pool.install(|| {
             out.f32_mut()[..rows * dim]
@@ -196,6 +212,7 @@ impl Backend for CpuBackend {
         k: usize,
         out: MatmulOut<'_, Self>,
     ) {
+        let _t = self.profile.time(|| format!("matmul m{m} n{n} k{k}"));
         let MatmulOut {
             buf,
             row_stride: ld,
@@ -236,12 +253,14 @@ impl Backend for CpuBackend {
     }
 
     fn add_assign(&self, acc: &mut CpuBuffer, x: &CpuBuffer, numel: usize) {
+        let _t = self.profile.time(|| "add_assign".into());
         for (a, &b) in acc.f32_mut()[..numel].iter_mut().zip(&x.f32()[..numel]) {
             *a += b;
         }
     }
 
     fn silu_mul(&self, gate_up: &CpuBuffer, rows: usize, ffn: usize, out: &mut CpuBuffer) {
+        let _t = self.profile.time(|| "silu_mul".into());
         let gu = &gate_up.f32()[..rows * 2 * ffn];
         self.pool.install(|| {
             out.f32_mut()[..rows * ffn]
@@ -265,6 +284,7 @@ impl Backend for CpuBackend {
         k_weight: &CpuBuffer,
         eps: f32,
     ) {
+        let _t = self.profile.time(|| "qk_norm".into());
         let hd = layout.head_dim;
         let (qw, kw) = (&q_weight.f32()[..hd], &k_weight.f32()[..hd]);
         for row in qkv.f32_mut()[..rows * layout.row_len()].chunks_mut(layout.row_len()) {
@@ -288,6 +308,7 @@ impl Backend for CpuBackend {
         cos_sin: &CpuBuffer,
         rotary_dim: usize,
     ) {
+        let _t = self.profile.time(|| "rope".into());
         let half = rotary_dim / 2;
         let (hd, heads) = (layout.head_dim, layout.num_heads + layout.num_kv_heads);
         let table = cos_sin.f32();
@@ -321,6 +342,7 @@ impl Backend for CpuBackend {
         k_cache: &mut CpuBuffer,
         v_cache: &mut CpuBuffer,
     ) {
+        let _t = self.profile.time(|| "kv_write".into());
         let (kvl, rl, ql) = (layout.kv_len(), layout.row_len(), layout.q_len());
         let slots = cache.num_blocks * cache.block_size;
         let (kc, vc) = (k_cache.f32_mut(), v_cache.f32_mut());
@@ -352,6 +374,7 @@ impl Backend for CpuBackend {
         _workspace: &mut CpuBuffer,
         out: &mut CpuBuffer,
     ) {
+        let _t = self.profile.time(|| "paged_attention".into());
         let attn = attention::PagedAttention {
             qkv: qkv.f32(),
             layout,
@@ -369,6 +392,7 @@ impl Backend for CpuBackend {
     }
 
     fn argmax(&self, logits: &CpuBuffer, rows: usize, vocab: usize, out: &mut CpuBuffer) {
+        let _t = self.profile.time(|| "argmax".into());
         let ids: Vec<i32> = logits.f32()[..rows * vocab]
             .chunks(vocab)
             .map(|row| crate::first_argmax(row) as i32)
@@ -385,6 +409,7 @@ impl Backend for CpuBackend {
         edits: &CpuBuffer,
         out: &mut CpuBuffer,
     ) {
+        let _t = self.profile.time(|| "sample".into());
         let params: &[SampleRow] =
             bytemuck::cast_slice(&params.bytes()[..rows * size_of::<SampleRow>()]);
         let edits: &[LogitEdit] = bytemuck::cast_slice(edits.bytes());
@@ -407,6 +432,7 @@ impl Backend for CpuBackend {
         dim: usize,
         out: &mut CpuBuffer,
     ) {
+        let _t = self.profile.time(|| "gather_rows".into());
         let x = x.f32();
         for (o, &i) in out.f32_mut()[..n * dim]
             .chunks_mut(dim)

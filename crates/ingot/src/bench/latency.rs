@@ -151,6 +151,7 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         ..SamplingParams::greedy(args.output_len)
     };
     let mut timed = vec![];
+    let mut timed_wall = Duration::ZERO;
     let progress = super::progress(args.warmup + args.iters, "batches", args.format);
     for i in 0..args.warmup + args.iters {
         if args.profile_ops && i == args.warmup {
@@ -163,8 +164,10 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
                     .collect()
             })
             .collect();
+        let start = Instant::now();
         let it = timed_batch(&mut engine, prompts, &params, (i * args.batch_size) as u64)?;
         if i >= args.warmup {
+            timed_wall += start.elapsed();
             timed.push(it);
         }
         progress.inc(1);
@@ -194,7 +197,12 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
     if args.profile_ops {
         let ops = engine.backend().op_profile();
         let total: f64 = ops.iter().map(|o| o.2).sum();
-        eprintln!("device time per op over the timed batches ({total:.1} ms in all):");
+        // The rest of the batches' wall time is spent between ops: scheduling, sampling on
+        // the host, launches.
+        eprintln!(
+            "device time per op over the timed batches ({total:.1} ms in all, of {:.1} ms of wall time):",
+            timed_wall.as_secs_f64() * 1e3
+        );
         for (op, calls, ms) in ops {
             eprintln!(
                 "  {:>6.2}%  {ms:>10.3} ms  {calls:>7} calls  {:>8.1} us/call  {op}",
