@@ -1,6 +1,6 @@
 //! Causal attention over the paged KV cache for a flattened mixed batch.
 
-use crate::quant::vec_dot_f32;
+use crate::quant::{vec_axpy_f32, vec_dot_f32};
 use crate::{CacheLayout, QkvLayout};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -56,13 +56,19 @@ impl PagedAttention<'_> {
         let hd = self.layout.head_dim;
         let kv_len = self.layout.kv_len();
         let bs = self.cache.block_size;
-        let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
+        // Where positions 0..len start in the cache, walked block by block (a division per
+        // position cost as much as its dot product at head size 64).
+        let rows = || {
+            (0..len.div_ceil(bs)).flat_map(move |b| {
+                let base = table[b] as usize * bs;
+                (base..base + bs.min(len - b * bs)).map(move |slot| slot * kv_len + kv_head * hd)
+            })
+        };
         SCORES.with_borrow_mut(|scores| {
             scores.clear();
             let mut max = f32::NEG_INFINITY;
-            for p in 0..len {
-                let k = &self.k_cache[slot(p) * kv_len + kv_head * hd..][..hd];
-                let s = vec_dot_f32(q, k) * self.scale;
+            for at in rows() {
+                let s = vec_dot_f32(q, &self.k_cache[at..][..hd]) * self.scale;
                 max = max.max(s);
                 scores.push(s);
             }
@@ -72,11 +78,8 @@ impl PagedAttention<'_> {
                 sum += *s;
             }
             out.fill(0.0);
-            for (p, &w) in scores.iter().enumerate() {
-                let v = &self.v_cache[slot(p) * kv_len + kv_head * hd..][..hd];
-                for (o, &x) in out.iter_mut().zip(v) {
-                    *o += w * x;
-                }
+            for (at, &w) in rows().zip(scores.iter()) {
+                vec_axpy_f32(out, w, &self.v_cache[at..][..hd]);
             }
             let inv = 1.0 / sum;
             out.iter_mut().for_each(|o| *o *= inv);

@@ -374,7 +374,7 @@ impl Backend for CpuBackend {
         _workspace: &mut CpuBuffer,
         out: &mut CpuBuffer,
     ) {
-        let _t = self.profile.time(|| "paged_attention".into());
+        let _t = self.profile.time(|| format!("paged_attention m{rows}"));
         let attn = attention::PagedAttention {
             qkv: qkv.f32(),
             layout,

@@ -198,6 +198,25 @@ pub fn vec_dot_f32(a: &[f32], b: &[f32]) -> f32 {
     dot_f32_portable(a, b)
 }
 
+/// `out[i] += w * x[i]`, the product and the sum each rounded as the plain loop rounds them
+/// (no fused multiply-add), so every path gives the same bits; 8 lanes at a time on AVX2.
+pub fn vec_axpy_f32(out: &mut [f32], w: f32, x: &[f32]) {
+    assert_eq!(out.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: features checked above.
+        return unsafe { avx2::axpy_f32(out, w, x) };
+    }
+    axpy_f32_portable(out, w, x)
+}
+
+#[inline(always)]
+fn axpy_f32_portable(out: &mut [f32], w: f32, x: &[f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o += w * v;
+    }
+}
+
 #[inline(always)]
 fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
@@ -266,6 +285,13 @@ mod avx2 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
+    }
+
+    /// The portable loop compiled for AVX2: Rust never fuses `w * v + o`, so this rounds
+    /// exactly as it does.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn axpy_f32(out: &mut [f32], w: f32, x: &[f32]) {
+        super::axpy_f32_portable(out, w, x)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -470,6 +496,21 @@ mod tests {
         xq.iter()
             .flat_map(|b| b.qs.iter().map(move |&q| b.d * q as f32))
             .collect()
+    }
+
+    #[test]
+    fn axpy_rounds_like_the_scalar_loop() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for n in [1usize, 7, 8, 31, 64, 100, 129] {
+            let x: Vec<f32> = (0..n).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let start: Vec<f32> = (0..n).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let w = rng.random_range(-1.0f32..1.0);
+            let mut got = start.clone();
+            vec_axpy_f32(&mut got, w, &x);
+            let want: Vec<f32> = start.iter().zip(&x).map(|(o, v)| o + w * v).collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "n {n}");
+        }
     }
 
     #[test]

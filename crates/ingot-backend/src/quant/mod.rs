@@ -7,8 +7,8 @@ mod dot;
 pub mod testing;
 
 pub use dot::{
-    dot_rows, dot_rows_multi, quantize_row_q8, uses_q8_activations, vec_dot, vec_dot_f32, Q8Block,
-    MULTI_ROWS, Q8_BLOCK,
+    dot_rows, dot_rows_multi, quantize_row_q8, uses_q8_activations, vec_axpy_f32, vec_dot,
+    vec_dot_f32, Q8Block, MULTI_ROWS, Q8_BLOCK,
 };
 
 use crate::DType;
