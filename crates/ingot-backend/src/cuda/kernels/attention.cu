@@ -48,6 +48,31 @@ __device__ __forceinline__ int token_context(const int* query_start_loc, const i
     return seq_lens[s] - q_len + (token - query_start_loc[s]) + 1;
 }
 
+// What one split-KV block serves: query heads h0..h0+G of KV head kvh for flattened token
+// `token` of sequence `seq`, keys [start, end) of split `split` (empty past the context).
+struct SplitWork {
+    int kvh, h0, G, token, seq, split, start, end;
+};
+
+// Grid: (num_kv_heads * head groups of up to GMAX, rows, num_splits).
+__device__ __forceinline__ SplitWork split_work(const int* query_start_loc, const int* seq_lens,
+                                                int num_seqs, int token_offset, int num_heads,
+                                                int num_kv_heads, int num_splits, int min_part) {
+    SplitWork w;
+    const int group = num_heads / num_kv_heads;
+    const int groups_per_kv = (group + GMAX - 1) / GMAX;
+    w.kvh = blockIdx.x / groups_per_kv;
+    w.h0 = w.kvh * group + (blockIdx.x % groups_per_kv) * GMAX;
+    w.G = min(GMAX, w.kvh * group + group - w.h0);
+    w.token = token_offset + blockIdx.y;
+    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, w.token, &w.seq);
+    const int part = split_len(ctx, num_splits, min_part);
+    w.split = blockIdx.z;
+    w.start = w.split * part;
+    w.end = min(ctx, w.start + part);
+    return w;
+}
+
 __device__ __forceinline__ u32 smem_address(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -86,20 +111,11 @@ __device__ void split_kv_attention(const T* qkv, const int* query_start_loc, con
     __shared__ __align__(16) C vs[2][BK * ROW];
     __shared__ float qs[GMAX][D];
 
-    const int group = num_heads / num_kv_heads;
-    const int groups_per_kv = (group + GMAX - 1) / GMAX;
-    const int kvh = blockIdx.x / groups_per_kv;
-    const int h0 = kvh * group + (blockIdx.x % groups_per_kv) * GMAX;
-    const int G = min(GMAX, kvh * group + group - h0);
-    const int row = blockIdx.y;
-    const int token = token_offset + row;
-    int s;
-    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, token, &s);
-    const int part = split_len(ctx, num_splits, min_part);
-    const int split = blockIdx.z;
-    const int start = split * part;
-    if (start >= ctx) return;
-    const int end = min(ctx, start + part);
+    const SplitWork sw = split_work(query_start_loc, seq_lens, num_seqs, token_offset, num_heads,
+                                    num_kv_heads, num_splits, min_part);
+    if (sw.start >= sw.end) return;
+    const int kvh = sw.kvh, h0 = sw.h0, G = sw.G, row = blockIdx.y, token = sw.token, s = sw.seq;
+    const int split = sw.split, start = sw.start, end = sw.end;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
@@ -275,6 +291,55 @@ template <> __device__ __forceinline__ void mma16816<f16>(float* c, const u32* a
 
 __device__ __forceinline__ u32 ld32(const void* p) { return *reinterpret_cast<const u32*>(p); }
 
+// One online-softmax step over an m16 x 8N tile of scores in mma C fragments (a lane holds
+// rows g, elements 0 and 1, and g + 8, elements 2 and 3; masked scores are NEG_INF): turns
+// the scores into probabilities against the rows' new maxima, updates the maxima m and sums
+// l, and rescales the output fragments acc by what the old maxima need.
+template <int N, int DN>
+__device__ __forceinline__ void online_softmax(float (&sc)[N][4], float& m0, float& m1,
+                                               float& l0, float& l1, float (&acc)[DN][4]) {
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        mx0 = fmaxf(mx0, fmaxf(sc[n][0], sc[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[n][2], sc[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // A row that sees no key yet (prefill's padding rows past the sequence) keeps a zero base.
+    const float b0 = n0 == NEG_INF ? 0.0f : n0, b1 = n1 == NEG_INF ? 0.0f : n1;
+    const float a0 = expf(m0 - b0), a1 = expf(m1 - b1);
+    float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            sc[n][e] = expf(sc[n][e] - b0);
+            sc[n][2 + e] = expf(sc[n][2 + e] - b1);
+            rs0 += sc[n][e];
+            rs1 += sc[n][2 + e];
+        }
+    }
+    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
+    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
+    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
+    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+    l0 = l0 * a0 + rs0;
+    l1 = l1 * a1 + rs1;
+    m0 = n0;
+    m1 = n1;
+#pragma unroll
+    for (int dn = 0; dn < DN; dn++) {
+        acc[dn][0] *= a0;
+        acc[dn][1] *= a0;
+        acc[dn][2] *= a1;
+        acc[dn][3] *= a1;
+    }
+}
+
 // ---- tensor-core split-KV decode ----
 
 #define MMA_KEYS 16  // keys per step of one warp
@@ -307,22 +372,13 @@ __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int
     constexpr int STAGE = 2 * MMA_KEYS * ROW;  // keys, then values
     __shared__ __align__(16) u16 ring[2 * STAGE];
 
-    const int group = num_heads / num_kv_heads;
-    const int groups_per_kv = (group + GMAX - 1) / GMAX;
-    const int kvh = blockIdx.x / groups_per_kv;
-    const int h0 = kvh * group + (blockIdx.x % groups_per_kv) * GMAX;
-    const int G = min(GMAX, kvh * group + group - h0);
-    const int row = blockIdx.y;
-    const int token = token_offset + row;
+    const SplitWork sw = split_work(query_start_loc, seq_lens, num_seqs, token_offset, num_heads,
+                                    num_kv_heads, num_splits, min_part);
+    if (sw.start >= sw.end) return;
+    const int kvh = sw.kvh, h0 = sw.h0, G = sw.G, row = blockIdx.y, token = sw.token, s = sw.seq;
+    const int split = sw.split, start = sw.start, end = sw.end;
     const int lane = threadIdx.x;
     const int g = lane >> 2, t4 = lane & 3;
-    int s;
-    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, token, &s);
-    const int part = split_len(ctx, num_splits, min_part);
-    const int split = blockIdx.z;
-    const int start = split * part;
-    if (start >= ctx) return;
-    const int end = min(ctx, start + part);
 
     const int* table = block_tables + (long long)s * max_blocks;
     const int tiles = (end - start + MMA_KEYS - 1) / MMA_KEYS;
@@ -388,7 +444,6 @@ __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int
                 mma16816<C>(sc[n], qa[kc], ld32(kr + kc * 16), ld32(kr + kc * 16 + 8));
         }
         // Key k0 is in range, so every row's maximum is finite.
-        float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
         for (int n = 0; n < 2; n++) {
 #pragma unroll
@@ -396,35 +451,9 @@ __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int
                 const bool valid = k0 + n * 8 + 2 * t4 + e < end;
                 sc[n][e] = valid ? sc[n][e] * scale : NEG_INF;
                 sc[n][2 + e] = valid ? sc[n][2 + e] * scale : NEG_INF;
-                mx0 = fmaxf(mx0, sc[n][e]);
-                mx1 = fmaxf(mx1, sc[n][2 + e]);
             }
         }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float a0 = expf(m0 - n0), a1 = expf(m1 - n1);
-        float rs0 = 0.0f, rs1 = 0.0f;
-#pragma unroll
-        for (int n = 0; n < 2; n++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                sc[n][e] = expf(sc[n][e] - n0);
-                sc[n][2 + e] = expf(sc[n][2 + e] - n1);
-                rs0 += sc[n][e];
-                rs1 += sc[n][2 + e];
-            }
-        }
-        rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
-        rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
-        rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
-        rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
-        l0 = l0 * a0 + rs0;
-        l1 = l1 * a1 + rs1;
-        m0 = n0;
-        m1 = n1;
+        online_softmax(sc, m0, m1, l0, l1, acc);
         // The probabilities as a 16-bit pair hi + lo: their sum carries p to about 16 bits
         // of mantissa, so PV loses no more than the f32 CUDA-core kernel does.
         u32 pa[4], pl[4];
@@ -434,13 +463,6 @@ __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int
             pa[i] = pack2<C>(x, y);
             const float2 r = unpack2<C>(pa[i]);
             pl[i] = pack2<C>(x - r.x, y - r.y);
-        }
-#pragma unroll
-        for (int dn = 0; dn < D / 8; dn++) {
-            acc[dn][0] *= a0;
-            acc[dn][1] *= a0;
-            acc[dn][2] *= a1;
-            acc[dn][3] *= a1;
         }
         // Lane l addresses row l % 8 of matrix l / 8: keys +8 for odd matrices, dims +8
         // for the upper two, so one load gives the B fragments of two 8-dim tiles.
@@ -555,7 +577,6 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
             for (int kc = 0; kc < D / 16; kc++)
                 mma16816<T>(sc[n], qa[kc], ld32(kr + kc * 16), ld32(kr + kc * 16 + 8));
         }
-        float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
         for (int n = 0; n < BK / 8; n++) {
 #pragma unroll
@@ -563,44 +584,9 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
                 const int key = k0 + n * 8 + 2 * t4 + e;
                 sc[n][e] = (key <= p0 && key < kv_end) ? sc[n][e] * scale : NEG_INF;
                 sc[n][2 + e] = (key <= p1 && key < kv_end) ? sc[n][2 + e] * scale : NEG_INF;
-                mx0 = fmaxf(mx0, sc[n][e]);
-                mx1 = fmaxf(mx1, sc[n][2 + e]);
             }
         }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        // A row that sees no key yet (padding rows past the sequence) keeps a zero base.
-        const float b0 = n0 == NEG_INF ? 0.0f : n0, b1 = n1 == NEG_INF ? 0.0f : n1;
-        const float a0 = expf(m0 - b0), a1 = expf(m1 - b1);
-        float rs0 = 0.0f, rs1 = 0.0f;
-#pragma unroll
-        for (int n = 0; n < BK / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                sc[n][e] = expf(sc[n][e] - b0);
-                sc[n][2 + e] = expf(sc[n][2 + e] - b1);
-                rs0 += sc[n][e];
-                rs1 += sc[n][2 + e];
-            }
-        }
-        rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
-        rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
-        rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
-        rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
-        l0 = l0 * a0 + rs0;
-        l1 = l1 * a1 + rs1;
-        m0 = n0;
-        m1 = n1;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; dn++) {
-            acc[dn][0] *= a0;
-            acc[dn][1] *= a0;
-            acc[dn][2] *= a1;
-            acc[dn][3] *= a1;
-        }
+        online_softmax(sc, m0, m1, l0, l1, acc);
         u32 pa[BK / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
