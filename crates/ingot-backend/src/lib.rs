@@ -113,6 +113,12 @@ pub trait Backend: Send + Sync {
     /// Whether the KV cache may be kept in `dtype`.
     fn supports_kv_cache_dtype(&self, dtype: DType) -> bool;
 
+    /// The KV cache dtype of `--kv-cache-dtype auto` for a model whose matrices are kept
+    /// as `weights` and whose activations run in `activation`.
+    fn auto_kv_cache_dtype(&self, _weights: DType, activation: DType) -> DType {
+        activation
+    }
+
     /// Free and total device memory, for backends whose memory is their own (GPUs).
     fn memory_info(&self) -> Option<MemoryInfo> {
         None

@@ -3,7 +3,9 @@
 
 use half::{bf16, f16};
 use ingot_backend::cpu::{CpuBackend, CpuBuffer, GEMV_MAX_ROWS};
-use ingot_backend::quant::{dequantize_row, quantize_row_q8, testing::random_quant_row, Q8Block};
+use ingot_backend::quant::{
+    dequantize_row, testing::random_quant_row, ActivationBlocks, QuantizedRows,
+};
 use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -61,13 +63,12 @@ fn random_weight(rng: &mut StdRng, dtype: DType, n: usize, k: usize) -> (Vec<u8>
     (bytes, vals)
 }
 
-/// What the integer kernels compute with: activations rounded through 8-bit blocks.
-fn q8_round_trip(x: &[f32]) -> Vec<f32> {
-    let mut q = vec![Q8Block::default(); x.len() / 32];
-    quantize_row_q8(x, &mut q);
-    q.iter()
-        .flat_map(|b| b.qs.iter().map(move |&v| b.d * v as f32))
-        .collect()
+/// What the integer kernels compute with: activations rounded through the 8-bit blocks of
+/// `dtype`'s kernel.
+fn q8_round_trip(dtype: DType, x: &[f32]) -> Vec<f32> {
+    QuantizedRows::default()
+        .quantize(dtype, x, 1, x.len())
+        .dequantized()
 }
 
 fn naive_matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
@@ -125,9 +126,9 @@ fn matmul_matches_dequantize_then_f32_for_every_dtype_and_path() {
                     );
                     let got = b.download_f32(&out, m * ld).unwrap();
                     let integer =
-                        dtype.is_quantized() && dtype.block_len() == 32 && m <= GEMV_MAX_ROWS;
+                        ActivationBlocks::of(dtype) != ActivationBlocks::None && m <= GEMV_MAX_ROWS;
                     let xr = if integer {
-                        x.chunks(k).flat_map(q8_round_trip).collect()
+                        x.chunks(k).flat_map(|x| q8_round_trip(dtype, x)).collect()
                     } else {
                         x.clone()
                     };

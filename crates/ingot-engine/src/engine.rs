@@ -207,7 +207,9 @@ impl<B: Backend> Engine<B> {
             bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
         }
         let activation = model.weights.activation_dtype;
-        let kv_dtype = config.kv_cache_dtype.unwrap_or(activation);
+        let kv_dtype = config
+            .kv_cache_dtype
+            .unwrap_or_else(|| backend.auto_kv_cache_dtype(model.weights.matrix_dtype, activation));
         if !backend.supports_kv_cache_dtype(kv_dtype) {
             bail!(
                 "--kv-cache-dtype {kv_dtype} is not supported on {}",

@@ -85,6 +85,9 @@ pub struct HostTensor<'a> {
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub data: Cow<'a, [u8]>,
+    /// The bytes of the mapped file it was read from (empty for generated weights), which
+    /// [`Checkpoint::release`] drops from memory once the tensor is loaded.
+    pub mapped: &'a [u8],
 }
 
 impl HostTensor<'_> {
@@ -288,6 +291,7 @@ impl Checkpoint {
                     dtype: e.dtype,
                     shape: e.shape.clone(),
                     data: Cow::Borrowed(data),
+                    mapped: data,
                 };
                 ensure!(
                     t.dtype.bytes_for(t.numel()) == data.len(),
@@ -307,6 +311,7 @@ impl Checkpoint {
                     dtype: info.dtype,
                     shape,
                     data: Cow::Borrowed(file.data(info)),
+                    mapped: file.data(info),
                 };
                 // llama.cpp's converter interleaves the rotary halves of each Llama q/k head
                 // for its GPT-J style RoPE; undo it to run NeoX-style RoPE like HF.
@@ -321,6 +326,32 @@ impl Checkpoint {
                 Ok(Some(t))
             }
             Checkpoint::Dummy { dtype, .. } => Ok(crate::dummy::tensor(role, layer, cfg, *dtype)),
+        }
+    }
+
+    /// Drops the file pages of a tensor that has been copied to the backend from this
+    /// process's resident memory. Otherwise every weight would be resident twice by the end
+    /// of loading (the mapping and the backend's copy), doubling the peak RSS of a CPU run.
+    /// The mapping stays valid: a later read of those bytes faults them back in from the
+    /// page cache.
+    pub fn release(&self, t: &HostTensor<'_>) {
+        let maps: Vec<&Mmap> = match self {
+            Checkpoint::Safetensors { shards, .. } => shards.iter().map(|s| &s.mmap).collect(),
+            Checkpoint::Gguf { file, .. } => vec![file.mmap()],
+            Checkpoint::Dummy { .. } => return,
+        };
+        let (at, len) = (t.mapped.as_ptr() as usize, t.mapped.len());
+        for m in maps {
+            let base = m.as_ptr() as usize;
+            if len > 0 && at >= base && at + len <= base + m.len() {
+                // SAFETY: the mapping is a read-only view of a file: after DONTNEED, a read
+                // sees the same bytes again (from the file), so no live reference changes.
+                // Failure only leaves the pages resident.
+                let _ = unsafe {
+                    m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at - base, len)
+                };
+                return;
+            }
         }
     }
 

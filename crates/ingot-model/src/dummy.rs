@@ -110,6 +110,7 @@ pub fn tensor(
         dtype,
         shape,
         data: Cow::Owned(data),
+        mapped: &[],
     })
 }
 

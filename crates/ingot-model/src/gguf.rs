@@ -260,6 +260,10 @@ impl GgufFile {
         })
     }
 
+    pub fn mmap(&self) -> &Mmap {
+        &self.mmap
+    }
+
     pub fn data(&self, t: &TensorInfo) -> &[u8] {
         &self.mmap[self.data_start + t.offset..][..t.nbytes]
     }

@@ -130,6 +130,8 @@ pub struct LayerWeights<B: Backend> {
 pub struct Weights<B: Backend> {
     /// The dtype activations run in with these weights on their backend.
     pub activation_dtype: DType,
+    /// The dtype the layers' matrices are kept in (the first query projection's).
+    pub matrix_dtype: DType,
     pub embed: B::Buffer,
     pub embed_dtype: DType,
     pub layers: Vec<LayerWeights<B>>,
@@ -213,6 +215,7 @@ impl<'a, B: Backend> Loader<'a, B> {
             t.shape
         );
         let data = self.rounded_f32(t.to_f32());
+        self.ckpt.release(t);
         self.upload(DType::F32, len, bytemuck::cast_slice(&data))
     }
 
@@ -251,11 +254,14 @@ impl<'a, B: Backend> Loader<'a, B> {
                         "{what}: bias of {} values for {rows} rows",
                         b.numel()
                     );
-                    Some(self.rounded_f32(b.to_f32()))
+                    let v = self.rounded_f32(b.to_f32());
+                    self.ckpt.release(&b);
+                    Some(v)
                 }
                 None => None,
             };
             let data = convert(&w, dtype);
+            self.ckpt.release(&w);
             match pending.last_mut() {
                 Some(last) if last.0 == dtype && last.3.is_some() == bias.is_some() => {
                     last.1.extend_from_slice(&data);
@@ -315,6 +321,7 @@ impl<B: Backend> Weights<B> {
         let embed_dtype = l.matrix_dtype(&embed_t);
         let embed = {
             let data = convert(&embed_t, embed_dtype);
+            l.ckpt.release(&embed_t);
             l.upload(embed_dtype, cfg.vocab_size * d, &data)?
         };
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -391,6 +398,7 @@ impl<B: Backend> Weights<B> {
         }
         Ok(Weights {
             activation_dtype: activation,
+            matrix_dtype: kept,
             embed,
             embed_dtype,
             layers,

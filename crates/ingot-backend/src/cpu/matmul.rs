@@ -8,10 +8,10 @@
 //! time into f32 and multiplied with `gemm`, parallel over tiles; the tile stays in cache
 //! while all activation rows pass over it.
 
+use super::team::Team;
 use super::SendPtr;
-use crate::quant::{self, Q8Block, MULTI_ROWS, Q8_BLOCK};
+use crate::quant::{self, QuantizedRows, MULTI_ROWS};
 use crate::DType;
-use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Up to this many activation rows take the dot-product path. Its cost grows with the rows
@@ -50,14 +50,9 @@ pub enum Weight<'a> {
 }
 
 /// Quantized copies of the activation rows for integer dot products; reused across calls.
+#[derive(Default)]
 pub struct ActivationScratch {
-    q8: Vec<Q8Block>,
-}
-
-impl ActivationScratch {
-    pub const fn new() -> Self {
-        ActivationScratch { q8: Vec::new() }
-    }
+    rows: QuantizedRows,
 }
 
 /// # Safety
@@ -71,10 +66,15 @@ pub unsafe fn matmul(
     k: usize,
     dst: Dst,
     scratch: &mut ActivationScratch,
+    team: &Team,
 ) {
     assert!(x.len() >= m * k);
     if m == 0 || n == 0 {
         return;
+    }
+    if let Weight::F32(_) = w {
+        // The GEMM runs on rayon's threads; the team's would only compete with them.
+        team.rest();
     }
     match w {
         Weight::F32(wf) if m > 1 => gemm_f32(x, wf, m, n, k, dst, rayon_parallelism()),
@@ -99,32 +99,15 @@ pub unsafe fn matmul(
         }
         Weight::Bytes(dtype, wb) if m <= GEMV_MAX_ROWS => {
             let row_bytes = dtype.bytes_for(k);
-            let xq: &[Q8Block] = if quant::uses_q8_activations(dtype) {
-                let nb = k / Q8_BLOCK;
-                scratch.q8.resize(m * nb, Q8Block::default());
-                for i in 0..m {
-                    quant::quantize_row_q8(
-                        &x[i * k..(i + 1) * k],
-                        &mut scratch.q8[i * nb..(i + 1) * nb],
-                    );
-                }
-                &scratch.q8
-            } else {
-                &[]
-            };
-            let nb = k / Q8_BLOCK;
-            (0..n.div_ceil(GEMV_CHUNK)).into_par_iter().for_each(|c| {
+            let xq = scratch.rows.quantize(dtype, &x[..m * k], m, k);
+            team.run(n.div_ceil(GEMV_CHUNK), |c| {
                 let j0 = c * GEMV_CHUNK;
                 let rows = GEMV_CHUNK.min(n - j0);
                 let w = &wb[j0 * row_bytes..(j0 + rows) * row_bytes];
                 let mut buf = [0f32; GEMV_CHUNK * MULTI_ROWS];
                 for i in (0..m).step_by(MULTI_ROWS) {
                     let g = MULTI_ROWS.min(m - i);
-                    let xqi = if xq.is_empty() {
-                        &[][..]
-                    } else {
-                        &xq[i * nb..(i + g) * nb]
-                    };
+                    let xqi = xq.rows(i, i + g, k);
                     let xi = &x[i * k..(i + g) * k];
                     quant::dot_rows_multi(dtype, w, xqi, xi, g, rows, &mut buf[..g * rows]);
                     for r in 0..g {
@@ -138,7 +121,7 @@ pub unsafe fn matmul(
         Weight::Bytes(dtype, wb) => {
             let row_bytes = dtype.bytes_for(k);
             let tiles = n.div_ceil(TILE_ROWS);
-            (0..tiles).into_par_iter().for_each(|t| {
+            team.run(tiles, |t| {
                 let j0 = t * TILE_ROWS;
                 let rows = TILE_ROWS.min(n - j0);
                 TILE.with_borrow_mut(|tile| {

@@ -1,10 +1,13 @@
-//! The CPU backend: plain Rust over host memory, multithreaded with its own rayon pool.
+//! The CPU backend: plain Rust over host memory. Ops split their work over a spinning
+//! worker team ([`team`]); f32 GEMMs run on the `gemm` crate's rayon parallelism.
 //! It is both a serving backend and the reference the GPU backends are tested against.
 
 mod attention;
+mod attention16;
 mod buffer;
 mod matmul;
 mod profile;
+mod team;
 mod topology;
 
 pub use buffer::CpuBuffer;
@@ -14,7 +17,7 @@ use crate::quant::dequantize_row;
 use crate::{
     AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
 };
-use rayon::prelude::*;
+use half::slice::HalfFloatSliceExt;
 use std::sync::Mutex;
 
 /// A raw pointer that parallel tasks may share because each writes a disjoint part.
@@ -24,8 +27,16 @@ pub struct SendPtr(pub *mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
+    team: team::Team,
     scratch: Mutex<matmul::ActivationScratch>,
     profile: profile::OpProfiler,
 }
@@ -35,13 +46,15 @@ impl CpuBackend {
     pub fn new(threads: Option<usize>) -> anyhow::Result<Self> {
         let threads = threads.unwrap_or_else(topology::default_threads);
         anyhow::ensure!(threads > 0, "--threads must be at least 1");
+        crate::quant::Isa::from_env()?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("ingot-cpu-{i}"))
             .build()?;
         Ok(CpuBackend {
             pool,
-            scratch: Mutex::new(matmul::ActivationScratch::new()),
+            team: team::Team::new(threads)?,
+            scratch: Mutex::new(matmul::ActivationScratch::default()),
             profile: profile::OpProfiler::default(),
         })
     }
@@ -68,7 +81,11 @@ impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", self.threads())
+        format!(
+            "cpu ({} threads, {} kernels)",
+            self.threads(),
+            crate::quant::Isa::selected().name()
+        )
     }
 
     /// The CPU runs every model in f32: its integer and `gemm` kernels take f32 rows.
@@ -81,7 +98,18 @@ impl Backend for CpuBackend {
     }
 
     fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
-        dtype == DType::F32
+        matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// f32 models keep an f32 cache (exact, batch-invariant runs); a quantized or 16-bit
+    /// model's values carry 16-bit precision at best, so its cache is f16: half the memory
+    /// and half the bytes attention reads.
+    fn auto_kv_cache_dtype(&self, weights: DType, _activation: DType) -> DType {
+        if weights == DType::F32 {
+            DType::F32
+        } else {
+            DType::F16
+        }
     }
 
     fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<CpuBuffer> {
@@ -89,7 +117,7 @@ impl Backend for CpuBackend {
             numel.is_multiple_of(dtype.block_len()),
             "{numel} elements are not whole {dtype} blocks"
         );
-        Ok(CpuBuffer::zeroed(dtype, numel))
+        CpuBuffer::zeroed(dtype, numel)
     }
 
     fn upload(&self, dst: &mut CpuBuffer, bytes: &[u8]) -> anyhow::Result<()> {
@@ -117,7 +145,7 @@ impl Backend for CpuBackend {
     }
 
     fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        // Ops called from a pool thread run their parallel parts without a hand-off.
+        // The step runs on a pool thread, so the f32 GEMMs' rayon work needs no hand-off.
         self.pool.install(f)
     }
 
@@ -144,19 +172,15 @@ impl Backend for CpuBackend {
         let bytes = table.bytes();
         let vocab = bytes.len() / rb;
         let ids = &ids.i32()[..n];
-        self.pool.install(|| {
-            out.f32_mut()[..n * dim]
-                .par_chunks_mut(dim)
-                .zip(ids)
-                .for_each(|(o, &id)| {
-                    let id = id as usize;
-                    assert!(
-                        id < vocab,
-                        "token id {id} outside the vocabulary of {vocab}"
-                    );
-                    dequantize_row(table.dtype(), &bytes[id * rb..(id + 1) * rb], o);
-                })
-        });
+        self.team
+            .chunks_mut(&mut out.f32_mut()[..n * dim], dim, |i, o| {
+                let id = ids[i] as usize;
+                assert!(
+                    id < vocab,
+                    "token id {id} outside the vocabulary of {vocab}"
+                );
+                dequantize_row(table.dtype(), &bytes[id * rb..(id + 1) * rb], o);
+            });
     }
 
     fn rms_norm(
@@ -170,12 +194,10 @@ impl Backend for CpuBackend {
     ) {
         let _t = self.profile.time(|| "rms_norm".into());
         let (x, w) = (&x.f32()[..rows * dim], &weight.f32()[..dim]);
-        self.pool.install(|| {
-            out.f32_mut()[..rows * dim]
-                .par_chunks_mut(dim)
-                .zip(x.par_chunks(dim))
-                .for_each(|(o, x)| rms_norm_row(x, w, eps, o))
-        });
+        self.team
+            .chunks_mut(&mut out.f32_mut()[..rows * dim], dim, |i, o| {
+                rms_norm_row(&x[i * dim..][..dim], w, eps, o)
+            });
     }
 
     fn add_rms_norm(
@@ -190,16 +212,17 @@ impl Backend for CpuBackend {
     ) {
         let _t = self.profile.time(|| "add_rms_norm".into());
         let (x, w) = (&x.f32()[..rows * dim], &weight.f32()[..dim]);
-        self.pool.install(|| {
-            out.f32_mut()[..rows * dim]
-                .par_chunks_mut(dim)
-                .zip(residual.f32_mut()[..rows * dim].par_chunks_mut(dim))
-                .zip(x.par_chunks(dim))
-                .for_each(|((o, r), x)| {
-                    r.iter_mut().zip(x).for_each(|(r, &x)| *r += x);
-                    rms_norm_row(r, w, eps, o)
-                })
-        });
+        let residual = SendPtr(residual.f32_mut()[..rows * dim].as_mut_ptr());
+        self.team
+            .chunks_mut(&mut out.f32_mut()[..rows * dim], dim, |i, o| {
+                // SAFETY: row `i` of the residual, borrowed mutably above, is touched by
+                // this task only.
+                let r = unsafe { std::slice::from_raw_parts_mut(residual.get().add(i * dim), dim) };
+                r.iter_mut()
+                    .zip(&x[i * dim..][..dim])
+                    .for_each(|(r, &x)| *r += x);
+                rms_norm_row(r, w, eps, o)
+            });
     }
 
     fn matmul(
@@ -240,7 +263,7 @@ impl Backend for CpuBackend {
         let scratch: &mut matmul::ActivationScratch = &mut guard;
         // SAFETY: `o` is borrowed mutably for the call and its size was checked above.
         self.pool.install(|| unsafe {
-            matmul::matmul(&x.f32()[..m * k], weight, m, n, k, dst, scratch)
+            matmul::matmul(&x.f32()[..m * k], weight, m, n, k, dst, scratch, &self.team)
         });
         if let Some(b) = bias {
             let b = &b.f32()[..n];
@@ -261,17 +284,24 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate_up: &CpuBuffer, rows: usize, ffn: usize, out: &mut CpuBuffer) {
         let _t = self.profile.time(|| "silu_mul".into());
+        // Pieces of a row rather than whole rows: a decode step's one row (an `exp` per
+        // element) is then shared by the team.
+        const PIECE: usize = 512;
         let gu = &gate_up.f32()[..rows * 2 * ffn];
-        self.pool.install(|| {
-            out.f32_mut()[..rows * ffn]
-                .par_chunks_mut(ffn)
-                .zip(gu.par_chunks(2 * ffn))
-                .for_each(|(o, gu)| {
-                    let (g, u) = gu.split_at(ffn);
-                    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                        *o = g / (1.0 + (-g).exp()) * u;
-                    }
-                })
+        let pieces = ffn.div_ceil(PIECE);
+        let out = SendPtr(out.f32_mut()[..rows * ffn].as_mut_ptr());
+        self.team.run(rows * pieces, |t| {
+            let (r, c0) = (t / pieces, (t % pieces) * PIECE);
+            let len = PIECE.min(ffn - c0);
+            let (g, u) = (
+                &gu[r * 2 * ffn + c0..][..len],
+                &gu[r * 2 * ffn + ffn + c0..][..len],
+            );
+            // SAFETY: each task writes its own piece of the output, borrowed mutably above.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(r * ffn + c0), len) };
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
         });
     }
 
@@ -313,23 +343,22 @@ impl Backend for CpuBackend {
         let (hd, heads) = (layout.head_dim, layout.num_heads + layout.num_kv_heads);
         let table = cos_sin.f32();
         let pos = &positions.i32()[..rows];
-        self.pool.install(|| {
-            qkv.f32_mut()[..rows * layout.row_len()]
-                .par_chunks_mut(layout.row_len())
-                .zip(pos)
-                .for_each(|(row, &p)| {
-                    let cs = &table[p as usize * rotary_dim..][..rotary_dim];
-                    let (cos, sin) = cs.split_at(half);
-                    for h in 0..heads {
-                        let x = &mut row[h * hd..h * hd + rotary_dim];
-                        for i in 0..half {
-                            let (a, b) = (x[i], x[i + half]);
-                            x[i] = a * cos[i] - b * sin[i];
-                            x[i + half] = b * cos[i] + a * sin[i];
-                        }
+        self.team.chunks_mut(
+            &mut qkv.f32_mut()[..rows * layout.row_len()],
+            layout.row_len(),
+            |i, row| {
+                let cs = &table[pos[i] as usize * rotary_dim..][..rotary_dim];
+                let (cos, sin) = cs.split_at(half);
+                for h in 0..heads {
+                    let x = &mut row[h * hd..h * hd + rotary_dim];
+                    for i in 0..half {
+                        let (a, b) = (x[i], x[i + half]);
+                        x[i] = a * cos[i] - b * sin[i];
+                        x[i + half] = b * cos[i] + a * sin[i];
                     }
-                })
-        });
+                }
+            },
+        );
     }
 
     fn kv_write(
@@ -345,7 +374,9 @@ impl Backend for CpuBackend {
         let _t = self.profile.time(|| "kv_write".into());
         let (kvl, rl, ql) = (layout.kv_len(), layout.row_len(), layout.q_len());
         let slots = cache.num_blocks * cache.block_size;
-        let (kc, vc) = (k_cache.f32_mut(), v_cache.f32_mut());
+        let dtype = k_cache.dtype();
+        let (kc, vc) = (k_cache.bytes_mut(), v_cache.bytes_mut());
+        let row_bytes = dtype.bytes_for(kvl);
         for (row, &slot) in qkv.f32()[..rows * rl]
             .chunks(rl)
             .zip(&slot_mapping.i32()[..rows])
@@ -356,8 +387,22 @@ impl Backend for CpuBackend {
             }
             let slot = slot as usize;
             assert!(slot < slots, "slot {slot} outside the cache of {slots}");
-            kc[slot * kvl..][..kvl].copy_from_slice(&row[ql..ql + kvl]);
-            vc[slot * kvl..][..kvl].copy_from_slice(&row[ql + kvl..ql + 2 * kvl]);
+            for (cache, x) in [
+                (&mut *kc, &row[ql..ql + kvl]),
+                (&mut *vc, &row[ql + kvl..ql + 2 * kvl]),
+            ] {
+                let dst = &mut cache[slot * row_bytes..][..row_bytes];
+                match dtype {
+                    DType::F32 => dst.copy_from_slice(bytemuck::cast_slice(x)),
+                    DType::F16 => {
+                        bytemuck::cast_slice_mut::<u8, half::f16>(dst).convert_from_f32_slice(x)
+                    }
+                    DType::BF16 => {
+                        bytemuck::cast_slice_mut::<u8, half::bf16>(dst).convert_from_f32_slice(x)
+                    }
+                    d => panic!("no {d} KV cache on the CPU"),
+                }
+            }
         }
     }
 
@@ -384,11 +429,15 @@ impl Backend for CpuBackend {
             block_tables: &meta.block_tables.i32()[..meta.num_seqs * meta.max_blocks_per_seq],
             max_blocks_per_seq: meta.max_blocks_per_seq,
             cache,
-            k_cache: k_cache.f32(),
-            v_cache: v_cache.f32(),
+            kv: match k_cache.dtype() {
+                DType::F16 => attention::KvData::F16(k_cache.f16(), v_cache.f16()),
+                DType::BF16 => attention::KvData::BF16(k_cache.bf16(), v_cache.bf16()),
+                _ => attention::KvData::F32(k_cache.f32(), v_cache.f32()),
+            },
             scale,
+            isa: crate::quant::Isa::selected(),
         };
-        self.pool.install(|| attn.run(out.f32_mut()));
+        attn.run(out.f32_mut(), &self.team);
     }
 
     fn argmax(&self, logits: &CpuBuffer, rows: usize, vocab: usize, out: &mut CpuBuffer) {

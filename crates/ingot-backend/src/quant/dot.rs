@@ -1,113 +1,30 @@
 //! Dot products of weight rows with one activation row, or with a few at once.
 //!
 //! For Q8_0/Q4_0/Q4_1 weights the activation row is quantized once per matmul into 8-bit
-//! blocks ([`Q8Block`]) and the dot product runs on integers (AVX2 `maddubs`/`madd`), as
-//! llama.cpp does: decode is bound by weight bytes, and integer dots keep the compute
+//! blocks ([`Q8Block`]) and the dot product runs on integers (AVX-512 VNNI `vpdpbusd` or
+//! AVX2 `maddubs`/`madd`, see [`Isa`]), as llama.cpp does: decode is bound by weight bytes, and integer dots keep the compute
 //! below the memory time. Other weight types are dequantized block by block and dotted in
 //! f32.
 
-use super::{dequantize_row, f16_at};
+use super::activations::{Q8Block, Q8KBlock, Quantized, Q8K_BLOCK, Q8_BLOCK};
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
+use super::{dequantize_row, f16_at, scale_min_k4, Isa};
 use crate::DType;
-
-pub const Q8_BLOCK: usize = 32;
-
-/// 32 activations as `d * qs[i]`, with `sum = d * Σ qs` kept for the weight offsets of
-/// Q4_0 (−8) and Q4_1 (`m`).
-#[derive(Clone, Copy, Debug, Default)]
-#[repr(C, align(32))]
-pub struct Q8Block {
-    pub qs: [i8; Q8_BLOCK],
-    pub d: f32,
-    pub sum: f32,
-}
-
-/// Quantizes `x` (a multiple of 32 long) into `out`, one block per 32 values.
-pub fn quantize_row_q8(x: &[f32], out: &mut [Q8Block]) {
-    assert_eq!(x.len(), out.len() * Q8_BLOCK);
-    for (b, xs) in out.iter_mut().zip(x.chunks_exact(Q8_BLOCK)) {
-        let amax = xs.iter().fold(0f32, |a, &v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut s = 0i32;
-        for (q, &v) in b.qs.iter_mut().zip(xs) {
-            *q = (v * inv).round() as i8;
-            s += *q as i32;
-        }
-        b.d = d;
-        b.sum = d * s as f32;
-    }
-}
-
-/// Whether `dtype` rows are dotted against quantized activations.
-pub fn uses_q8_activations(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
-}
 
 /// Dot product of weight row `w` (`dtype`, `xf.len()` elements) with an activation row
 /// given both as f32 (`xf`) and, for integer types, quantized (`xq`).
-pub fn vec_dot(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32]) -> f32 {
+pub fn vec_dot(dtype: DType, w: &[u8], xq: Quantized<'_>, xf: &[f32]) -> f32 {
     let mut out = [0f32];
     dot_rows(dtype, w, xq, xf, &mut out);
     out[0]
 }
 
-/// Whether the AVX2 kernels can run here (detected once, then a cached flag).
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-}
-
 /// Dot products of consecutive weight rows (`out.len()` of them, `xf.len()` elements each)
-/// with one activation row. Keeping the row loop inside the SIMD kernels lets them run
-/// with no per-row dispatch.
-pub fn dot_rows(dtype: DType, w: &[u8], xq: &[Q8Block], xf: &[f32], out: &mut [f32]) {
-    let row_bytes = dtype.bytes_for(xf.len());
-    assert!(w.len() >= out.len() * row_bytes);
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports the features the kernels were compiled for.
-        unsafe {
-            match dtype {
-                DType::Q8_0 => {
-                    return avx2::rows_q8_0_multi::<1>(w, row_bytes, xq, xq.len(), out.len(), out)
-                }
-                DType::Q4_0 => {
-                    return avx2::rows_q4_multi::<1>(
-                        w,
-                        row_bytes,
-                        xq,
-                        xq.len(),
-                        false,
-                        out.len(),
-                        out,
-                    )
-                }
-                DType::Q4_1 => {
-                    return avx2::rows_q4_multi::<1>(
-                        w,
-                        row_bytes,
-                        xq,
-                        xq.len(),
-                        true,
-                        out.len(),
-                        out,
-                    )
-                }
-                _ => {}
-            }
-        }
-    }
-    for (j, o) in out.iter_mut().enumerate() {
-        let row = &w[j * row_bytes..(j + 1) * row_bytes];
-        *o = match dtype {
-            DType::Q8_0 => dot_q8_0_scalar(row, xq),
-            DType::Q4_0 => dot_q4_scalar(row, xq, false),
-            DType::Q4_1 => dot_q4_scalar(row, xq, true),
-            _ => dot_dequantized(dtype, row, xf),
-        };
-    }
+/// with one activation row.
+pub fn dot_rows(dtype: DType, w: &[u8], xq: Quantized<'_>, xf: &[f32], out: &mut [f32]) {
+    let n = out.len();
+    dot_rows_multi(dtype, w, xq, xf, 1, n, out)
 }
 
 /// Activation rows one [`dot_rows_multi`] call takes at most.
@@ -115,14 +32,29 @@ pub const MULTI_ROWS: usize = 4;
 
 /// Dot products of `n` consecutive weight rows with `rows` (≤ [`MULTI_ROWS`]) activation
 /// rows: `out[r * n + j]` = weight row `j` · activation row `r`. Activations come as f32
-/// (`xf`, `rows` × k) and, for integer types, as Q8 blocks (`xq`, `rows` × k/32). The
+/// (`xf`, `rows` × k) and, for integer types, quantized (`xq`, see [`super::QuantizedRows`]). The
 /// integer kernels decode each weight block once for all the rows (decode batches pay the
 /// nibble unpacking once instead of once per sequence), in the same order of operations as
-/// [`dot_rows`], so every result is bitwise the one a row gets alone.
+/// one row alone, so every result is bitwise the one a row gets alone.
 pub fn dot_rows_multi(
     dtype: DType,
     w: &[u8],
-    xq: &[Q8Block],
+    xq: Quantized<'_>,
+    xf: &[f32],
+    rows: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    dot_rows_multi_on(Isa::selected(), dtype, w, xq, xf, rows, n, out)
+}
+
+/// [`dot_rows_multi`] on the kernels of `isa` (which this CPU must support).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn dot_rows_multi_on(
+    isa: Isa,
+    dtype: DType,
+    w: &[u8],
+    xq: Quantized<'_>,
     xf: &[f32],
     rows: usize,
     n: usize,
@@ -130,45 +62,65 @@ pub fn dot_rows_multi(
 ) {
     assert!((1..=MULTI_ROWS).contains(&rows) && out.len() >= rows * n);
     let k = xf.len() / rows;
-    let nb = k / Q8_BLOCK;
+    let row_bytes = dtype.bytes_for(k);
+    assert!(w.len() >= n * row_bytes);
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() && uses_q8_activations(dtype) {
-        let row_bytes = dtype.bytes_for(k);
-        assert!(w.len() >= n * row_bytes && xq.len() >= rows * nb);
-        // SAFETY: the CPU supports the features the kernels were compiled for; the sizes
-        // were checked above.
-        unsafe {
-            macro_rules! by_rows {
-                ($f:ident $(, $arg:expr)*) => {
+    if isa > Isa::Portable {
+        // SAFETY (all arms): `isa` is one this CPU supports (checked when it was chosen);
+        // the weight size was checked above and the activation blocks are checked here.
+        macro_rules! by_rows {
+            ($m:ident :: $f:ident, $x:expr, $nb:expr $(, $arg:expr)*) => {{
+                let (x, nb) = ($x, $nb);
+                assert!(x.len() >= rows * nb);
+                unsafe {
                     match rows {
-                        1 => avx2::$f::<1>(w, row_bytes, xq, nb, $($arg,)* n, out),
-                        2 => avx2::$f::<2>(w, row_bytes, xq, nb, $($arg,)* n, out),
-                        3 => avx2::$f::<3>(w, row_bytes, xq, nb, $($arg,)* n, out),
-                        _ => avx2::$f::<4>(w, row_bytes, xq, nb, $($arg,)* n, out),
+                        1 => $m::$f::<1>(w, row_bytes, x, nb, $($arg,)* n, out),
+                        2 => $m::$f::<2>(w, row_bytes, x, nb, $($arg,)* n, out),
+                        3 => $m::$f::<3>(w, row_bytes, x, nb, $($arg,)* n, out),
+                        _ => $m::$f::<4>(w, row_bytes, x, nb, $($arg,)* n, out),
                     }
-                };
-            }
-            match dtype {
-                DType::Q8_0 => by_rows!(rows_q8_0_multi),
-                DType::Q4_0 => by_rows!(rows_q4_multi, false),
-                _ => by_rows!(rows_q4_multi, true),
-            }
+                }
+                return;
+            }};
         }
-        return;
+        let (nb, nbk) = (k / Q8_BLOCK, k / Q8K_BLOCK);
+        match (isa, dtype, xq) {
+            (Isa::Avx512Vnni, DType::Q8_0, Quantized::Q8(x)) => {
+                by_rows!(avx512::rows_q8_0_multi, x, nb)
+            }
+            (Isa::Avx512Vnni, DType::Q4_0, Quantized::Q8(x)) => {
+                by_rows!(avx512::rows_q4_multi, x, nb, false)
+            }
+            (Isa::Avx512Vnni, DType::Q4_1, Quantized::Q8(x)) => {
+                by_rows!(avx512::rows_q4_multi, x, nb, true)
+            }
+            (_, DType::Q8_0, Quantized::Q8(x)) => by_rows!(avx2::rows_q8_0_multi, x, nb),
+            (_, DType::Q4_0, Quantized::Q8(x)) => by_rows!(avx2::rows_q4_multi, x, nb, false),
+            (_, DType::Q4_1, Quantized::Q8(x)) => by_rows!(avx2::rows_q4_multi, x, nb, true),
+            // K-quants scale every 16 or 32 products: `pmaddwd` folds that scale into the
+            // pair sums in one instruction, which `vpdpbusd` cannot, so AVX-512 machines
+            // run the AVX2 kernels for them.
+            (_, DType::Q4K, Quantized::Q8K(x)) => by_rows!(avx2::rows_q45k_multi, x, nbk, false),
+            (_, DType::Q5K, Quantized::Q8K(x)) => by_rows!(avx2::rows_q45k_multi, x, nbk, true),
+            (_, DType::Q6K, Quantized::Q8K(x)) => by_rows!(avx2::rows_q6k_multi, x, nbk),
+            _ => {}
+        }
     }
     for r in 0..rows {
-        let xqr = if uses_q8_activations(dtype) {
-            &xq[r * nb..(r + 1) * nb]
-        } else {
-            &[][..]
-        };
-        dot_rows(
-            dtype,
-            w,
-            xqr,
-            &xf[r * k..(r + 1) * k],
-            &mut out[r * n..(r + 1) * n],
-        );
+        let xr = &xf[r * k..(r + 1) * k];
+        let xqr = xq.rows(r, r + 1, k);
+        for j in 0..n {
+            let row = &w[j * row_bytes..(j + 1) * row_bytes];
+            out[r * n + j] = match (dtype, xqr) {
+                (DType::Q8_0, Quantized::Q8(x)) => dot_q8_0_scalar(row, x),
+                (DType::Q4_0, Quantized::Q8(x)) => dot_q4_scalar(row, x, false),
+                (DType::Q4_1, Quantized::Q8(x)) => dot_q4_scalar(row, x, true),
+                (DType::Q4K, Quantized::Q8K(x)) => dot_q45k_scalar(row, x, false),
+                (DType::Q5K, Quantized::Q8K(x)) => dot_q45k_scalar(row, x, true),
+                (DType::Q6K, Quantized::Q8K(x)) => dot_q6k_scalar(row, x),
+                _ => dot_dequantized(dtype, row, xr),
+            };
+        }
     }
 }
 
@@ -191,8 +143,8 @@ fn dot_dequantized(dtype: DType, w: &[u8], xf: &[f32]) -> f32 {
 pub fn vec_dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: features checked above.
+    if Isa::selected() >= Isa::Avx2 {
+        // SAFETY: the CPU has AVX2 (checked when the ISA was chosen).
         return unsafe { avx2::dot_f32(a, b) };
     }
     dot_f32_portable(a, b)
@@ -203,15 +155,15 @@ pub fn vec_dot_f32(a: &[f32], b: &[f32]) -> f32 {
 pub fn vec_axpy_f32(out: &mut [f32], w: f32, x: &[f32]) {
     assert_eq!(out.len(), x.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: features checked above.
+    if Isa::selected() >= Isa::Avx2 {
+        // SAFETY: the CPU has AVX2 (checked when the ISA was chosen).
         return unsafe { avx2::axpy_f32(out, w, x) };
     }
     axpy_f32_portable(out, w, x)
 }
 
 #[inline(always)]
-fn axpy_f32_portable(out: &mut [f32], w: f32, x: &[f32]) {
+pub(super) fn axpy_f32_portable(out: &mut [f32], w: f32, x: &[f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
         *o += w * v;
     }
@@ -272,230 +224,79 @@ fn dot_q4_scalar(w: &[u8], xq: &[Q8Block], has_min: bool) -> f32 {
         .sum()
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::Q8Block;
-    use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
-
-    /// The portable loop compiled for AVX2: Rust never fuses `w * v + o`, so this rounds
-    /// exactly as it does.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn axpy_f32(out: &mut [f32], w: f32, x: &[f32]) {
-        super::axpy_f32_portable(out, w, x)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= n {
-            for (l, acc) in acc.iter_mut().enumerate() {
-                let x = _mm256_loadu_ps(pa.add(i + 8 * l));
-                let y = _mm256_loadu_ps(pb.add(i + 8 * l));
-                *acc = _mm256_fmadd_ps(x, y, *acc);
+/// Q4_K is `d·sc·q − dmin·m` per sub-block of 32 (Q5_K the same with a fifth bit from
+/// `qh`): `d·Σ sc·Σq·x − dmin·Σ m·Σx`, the sums of x taken from the activations' `bsums`.
+fn dot_q45k_scalar(w: &[u8], xq: &[Q8KBlock], high_bit: bool) -> f32 {
+    let bb = if high_bit { 176 } else { 144 };
+    w.chunks_exact(bb)
+        .zip(xq)
+        .map(|(b, x)| {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            let (qh, qs) = if high_bit {
+                (&b[16..48], &b[48..176])
+            } else {
+                (&[][..], &b[16..144])
+            };
+            let (mut isum, mut msum) = (0i32, 0i32);
+            for g in 0..4 {
+                for (h, shift) in [(0usize, 0u32), (1, 4)] {
+                    let j = 2 * g + h;
+                    let (sc, m) = scale_min_k4(j, scales);
+                    let mut s = 0i32;
+                    for l in 0..32 {
+                        let mut q = ((qs[g * 32 + l] >> shift) & 0x0F) as i32;
+                        if high_bit && qh[l] & (1 << j) != 0 {
+                            q += 16;
+                        }
+                        s += q * x.qs[g * 64 + h * 32 + l] as i32;
+                    }
+                    isum += sc as i32 * s;
+                    msum += m as i32 * (x.bsums[2 * j] as i32 + x.bsums[2 * j + 1] as i32);
+                }
             }
-            i += 32;
-        }
-        while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(pa.add(i)),
-                _mm256_loadu_ps(pb.add(i)),
-                acc[0],
-            );
-            i += 8;
-        }
-        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut total = hsum(s);
-        while i < n {
-            total += a[i] * b[i];
-            i += 1;
-        }
-        total
-    }
+            x.d * (d * isum as f32 - dmin * msum as f32)
+        })
+        .sum()
+}
 
-    /// Sums of `u8 × i8` pairs into eight i32 lanes, converted to f32.
-    #[inline(always)]
-    unsafe fn mul_sum_us8(ux: __m256i, sy: __m256i) -> __m256 {
-        let dot16 = _mm256_maddubs_epi16(ux, sy);
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)))
-    }
-
-    /// Two f16 values stored side by side (a block's `d` and `m`).
-    #[inline(always)]
-    unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
-        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
-    }
-
-    #[inline(always)]
-    unsafe fn f16_one(p: *const u8) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-            (p as *const u16).read_unaligned() as i32,
-        )))
-    }
-
-    /// A Q4_0/Q4_1 block's scale `d`, offset `m` (−8·d for Q4_0) and its 32 nibbles
-    /// unpacked to bytes.
-    #[inline(always)]
-    unsafe fn q4_decode(b: *const u8, has_min: bool) -> (f32, f32, __m256i) {
-        let (d, m, qs) = if has_min {
-            let (d, m) = f16_pair(b);
-            (d, m, b.add(4))
-        } else {
-            let d = f16_one(b);
-            (d, -8.0 * d, b.add(2))
-        };
-        let q = _mm_loadu_si128(qs as *const __m128i);
-        // Low nibbles are elements 0..16, high nibbles 16..32.
-        let q = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
-            _mm256_set1_epi8(0x0F),
-        );
-        (d, m, q)
-    }
-
-    /// Adds one Q8_0 block's `d·Σw·x` for each of `R` activation rows (block `blk` of
-    /// each) to its accumulator, the weight block loaded once.
-    #[inline(always)]
-    unsafe fn q8_0_block_multi<const R: usize>(
-        b: *const u8,
-        xq: &[Q8Block],
-        nb: usize,
-        blk: usize,
-        acc: &mut [__m256; R],
-    ) {
-        let wq = _mm256_loadu_si256(b.add(2) as *const __m256i);
-        // maddubs needs an unsigned operand: move w's sign onto x.
-        let wabs = _mm256_sign_epi8(wq, wq);
-        let d = f16_one(b);
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let x = xq.get_unchecked(r * nb + blk);
-            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
-            let p = mul_sum_us8(wabs, _mm256_sign_epi8(xv, wq));
-            *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), p, *acc);
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn rows_q8_0_multi<const R: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        xq: &[Q8Block],
-        nb: usize,
-        n: usize,
-        out: &mut [f32],
-    ) {
-        for j in 0..n {
-            let wj = w.as_ptr().add(j * row_bytes);
-            let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-            let pairs = nb / 2;
-            for i in 0..pairs {
-                q8_0_block_multi(wj.add(68 * i), xq, nb, 2 * i, &mut a0);
-                q8_0_block_multi(wj.add(68 * i + 34), xq, nb, 2 * i + 1, &mut a1);
+/// Q6_K is `d·sc·(q − 32)` per sub-block of 16: `d·(Σ sc·Σq·x − 32·Σ sc·Σx)`.
+fn dot_q6k_scalar(w: &[u8], xq: &[Q8KBlock]) -> f32 {
+    w.chunks_exact(210)
+        .zip(xq)
+        .map(|(b, x)| {
+            let d = f16_at(b, 208);
+            let sc = |j: usize| b[192 + j] as i8 as i32;
+            let mut isum = 0i32;
+            for half in 0..2 {
+                let (ql, qh) = (&b[half * 64..half * 64 + 64], &b[128 + half * 32..][..32]);
+                for l in 0..32 {
+                    let q = [
+                        (ql[l] & 0x0F) | ((qh[l] & 3) << 4),
+                        (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                        (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                        (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                    ];
+                    for (i, &q) in q.iter().enumerate() {
+                        let e = half * 128 + i * 32 + l;
+                        isum += sc(e / 16) * q as i32 * x.qs[e] as i32;
+                    }
+                }
             }
-            if nb % 2 == 1 {
-                q8_0_block_multi(wj.add(68 * pairs), xq, nb, 2 * pairs, &mut a0);
-            }
-            for r in 0..R {
-                out[r * n + j] = hsum(_mm256_add_ps(a0[r], a1[r]));
-            }
-        }
-    }
-
-    /// Adds one Q4_0/Q4_1 block's `d·Σq·x` for each of `R` activation rows (block `blk`
-    /// of each) to its accumulator and the offset term `m·Σx` to its `off`, the nibbles
-    /// unpacked once.
-    #[inline(always)]
-    unsafe fn q4_block_multi<const R: usize>(
-        b: *const u8,
-        xq: &[Q8Block],
-        nb: usize,
-        blk: usize,
-        has_min: bool,
-        acc: &mut [__m256; R],
-        off: &mut [f32; R],
-    ) {
-        let (d, m, q) = q4_decode(b, has_min);
-        for r in 0..R {
-            let x = xq.get_unchecked(r * nb + blk);
-            let xv = _mm256_load_si256(x.qs.as_ptr() as *const __m256i);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), mul_sum_us8(q, xv), acc[r]);
-            off[r] += m * x.sum;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn rows_q4_multi<const R: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        xq: &[Q8Block],
-        nb: usize,
-        has_min: bool,
-        n: usize,
-        out: &mut [f32],
-    ) {
-        let bb = if has_min { 20 } else { 18 };
-        for j in 0..n {
-            let wj = w.as_ptr().add(j * row_bytes);
-            let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-            let (mut o0, mut o1) = ([0f32; R], [0f32; R]);
-            let pairs = nb / 2;
-            for i in 0..pairs {
-                q4_block_multi(wj.add(2 * bb * i), xq, nb, 2 * i, has_min, &mut a0, &mut o0);
-                q4_block_multi(
-                    wj.add(2 * bb * i + bb),
-                    xq,
-                    nb,
-                    2 * i + 1,
-                    has_min,
-                    &mut a1,
-                    &mut o1,
-                );
-            }
-            if nb % 2 == 1 {
-                q4_block_multi(
-                    wj.add(2 * bb * pairs),
-                    xq,
-                    nb,
-                    2 * pairs,
-                    has_min,
-                    &mut a0,
-                    &mut o0,
-                );
-            }
-            for r in 0..R {
-                out[r * n + j] = hsum(_mm256_add_ps(a0[r], a1[r])) + o0[r] + o1[r];
-            }
-        }
-    }
+            let offset: i32 = (0..16).map(|j| sc(j) * x.bsums[j] as i32).sum();
+            x.d * d * (isum - 32 * offset) as f32
+        })
+        .sum()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::dequantize_row;
+    use crate::quant::{dequantize_row, QuantizedRows};
     use rand::{Rng, SeedableRng};
 
     pub(crate) fn random_row(dtype: DType, n: usize, rng: &mut impl Rng) -> Vec<u8> {
         crate::quant::testing::random_quant_row(dtype, n, rng)
-    }
-
-    fn q8_dequant(xq: &[Q8Block]) -> Vec<f32> {
-        xq.iter()
-            .flat_map(|b| b.qs.iter().map(move |&q| b.d * q as f32))
-            .collect()
     }
 
     #[test]
@@ -513,51 +314,70 @@ mod tests {
         }
     }
 
+    /// Every kernel path this CPU runs, with a note for those it cannot (so a run on a
+    /// machine without AVX-512 says which kernels went untested).
+    fn paths() -> Vec<Isa> {
+        let isas = Isa::available();
+        for missing in [Isa::Avx2, Isa::Avx512Vnni] {
+            if !isas.contains(&missing) {
+                eprintln!(
+                    "note: this CPU lacks {}; its kernels are not tested here",
+                    missing.name()
+                );
+            }
+        }
+        isas
+    }
+
+    const QUANTS: [DType; 6] = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+    ];
+
+    /// Row lengths: odd block counts (1, 3, 9, 33 blocks of 32 and 1, 3, 5 of 256) take
+    /// the paired kernels' single-block tail.
+    fn lengths(dtype: DType) -> &'static [usize] {
+        if dtype.block_len() == 32 {
+            &[32, 96, 256, 288, 1056]
+        } else {
+            &[256, 768, 1280]
+        }
+    }
+
     #[test]
     fn integer_dots_match_dequantized_f32() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        for dtype in [
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q4K,
-            DType::Q5K,
-            DType::Q6K,
-        ] {
-            for n in [256usize, 512, 768 + 256] {
-                let w = random_row(dtype, n, &mut rng);
-                let x: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
-                let mut xq = vec![Q8Block::default(); n / Q8_BLOCK];
-                quantize_row_q8(&x, &mut xq);
-                let mut wf = vec![0f32; n];
-                dequantize_row(dtype, &w, &mut wf);
-                // Integer kernels see the quantized activations; the others see x itself.
-                let xr = if uses_q8_activations(dtype) {
-                    q8_dequant(&xq)
-                } else {
-                    x.clone()
-                };
-                let want: f64 = wf.iter().zip(&xr).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let got = vec_dot(dtype, &w, &xq, &x);
-                let scale: f64 = wf
-                    .iter()
-                    .zip(&xr)
-                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
-                    .sum();
-                assert!(
-                    (got as f64 - want).abs() <= 1e-5 * scale.max(1.0),
-                    "{dtype} n={n}: got {got}, want {want}"
-                );
-                let portable = match dtype {
-                    DType::Q8_0 => dot_q8_0_scalar(&w, &xq),
-                    DType::Q4_0 => dot_q4_scalar(&w, &xq, false),
-                    DType::Q4_1 => dot_q4_scalar(&w, &xq, true),
-                    _ => dot_dequantized(dtype, &w, &x),
-                };
-                assert!(
-                    (portable as f64 - want).abs() <= 1e-5 * scale.max(1.0),
-                    "{dtype} portable"
-                );
+        let mut qrows = QuantizedRows::default();
+        for isa in paths() {
+            for dtype in QUANTS {
+                for &n in lengths(dtype) {
+                    let w = random_row(dtype, n, &mut rng);
+                    let x: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+                    let xq = qrows.quantize(dtype, &x, 1, n);
+                    let mut wf = vec![0f32; n];
+                    dequantize_row(dtype, &w, &mut wf);
+                    // Integer kernels see the quantized activations.
+                    let xr = xq.dequantized();
+                    assert_eq!(xr.len(), n, "{dtype} has an integer kernel");
+                    let want: f64 = wf.iter().zip(&xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let mut got = [0f32];
+                    dot_rows_multi_on(isa, dtype, &w, xq, &x, 1, 1, &mut got);
+                    let scale: f64 = wf
+                        .iter()
+                        .zip(&xr)
+                        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                        .sum();
+                    assert!(
+                        (got[0] as f64 - want).abs() <= 1e-5 * scale.max(1.0),
+                        "{} {dtype} n={n}: got {}, want {want}",
+                        isa.name(),
+                        got[0]
+                    );
+                }
             }
         }
     }
@@ -565,35 +385,44 @@ mod tests {
     #[test]
     fn multi_row_dots_equal_single_row_dots_bitwise() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q6K] {
-            for k in [dtype.block_len() * 3, dtype.block_len() * 4] {
-                let n = 7;
-                let w: Vec<u8> = (0..n)
-                    .flat_map(|_| random_row(dtype, k, &mut rng))
-                    .collect();
-                for rows in 1..=MULTI_ROWS {
-                    let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-2.0..2.0)).collect();
-                    let nb = k / Q8_BLOCK;
-                    let mut xq = vec![Q8Block::default(); rows * nb];
-                    for r in 0..rows {
-                        quantize_row_q8(&x[r * k..(r + 1) * k], &mut xq[r * nb..(r + 1) * nb]);
-                    }
-                    let mut multi = vec![0f32; rows * n];
-                    dot_rows_multi(dtype, &w, &xq, &x, rows, n, &mut multi);
-                    for r in 0..rows {
-                        let xqr = if uses_q8_activations(dtype) {
-                            &xq[r * nb..(r + 1) * nb]
-                        } else {
-                            &[][..]
-                        };
-                        let mut one = vec![0f32; n];
-                        dot_rows(dtype, &w, xqr, &x[r * k..(r + 1) * k], &mut one);
-                        for j in 0..n {
-                            assert_eq!(
-                                multi[r * n + j].to_bits(),
-                                one[j].to_bits(),
-                                "{dtype} k={k} rows={rows} r={r} j={j}"
+        let mut qrows = QuantizedRows::default();
+        for isa in paths() {
+            for dtype in QUANTS.into_iter().chain([DType::F16]) {
+                for k in [dtype.block_len().max(32) * 3, dtype.block_len().max(32) * 4] {
+                    let n = 7;
+                    let w: Vec<u8> = (0..n)
+                        .flat_map(|_| match dtype {
+                            DType::F16 => (0..2 * k).map(|_| rng.random_range(0..0x3c)).collect(),
+                            _ => random_row(dtype, k, &mut rng),
+                        })
+                        .collect();
+                    for rows in 1..=MULTI_ROWS {
+                        let x: Vec<f32> =
+                            (0..rows * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+                        let xq = qrows.quantize(dtype, &x, rows, k);
+                        let mut multi = vec![0f32; rows * n];
+                        dot_rows_multi_on(isa, dtype, &w, xq, &x, rows, n, &mut multi);
+                        for r in 0..rows {
+                            let mut one = vec![0f32; n];
+                            let xr = &x[r * k..(r + 1) * k];
+                            dot_rows_multi_on(
+                                isa,
+                                dtype,
+                                &w,
+                                xq.rows(r, r + 1, k),
+                                xr,
+                                1,
+                                n,
+                                &mut one,
                             );
+                            for j in 0..n {
+                                assert_eq!(
+                                    multi[r * n + j].to_bits(),
+                                    one[j].to_bits(),
+                                    "{} {dtype} k={k} rows={rows} r={r} j={j}",
+                                    isa.name()
+                                );
+                            }
                         }
                     }
                 }
@@ -610,20 +439,6 @@ mod tests {
             let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
             assert!((vec_dot_f32(&a, &b) - want).abs() < 1e-4, "n={n}");
             assert!((dot_f32_portable(&a, &b) - want).abs() < 1e-4, "n={n}");
-        }
-    }
-
-    #[test]
-    fn q8_quantization_round_trips_within_half_a_step() {
-        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 30.0) * 0.37).collect();
-        let mut xq = vec![Q8Block::default(); 2];
-        quantize_row_q8(&x, &mut xq);
-        for (b, xs) in xq.iter().zip(x.chunks(32)) {
-            for (&q, &v) in b.qs.iter().zip(xs) {
-                assert!((b.d * q as f32 - v).abs() <= b.d * 0.5 + 1e-6);
-            }
-            let s: i32 = b.qs.iter().map(|&q| q as i32).sum();
-            assert_eq!(b.sum, b.d * s as f32);
         }
     }
 }

@@ -3,13 +3,21 @@
 //!
 //! Layouts follow the GGUF specification; each row of a weight matrix is a run of blocks.
 
+mod activations;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod dot;
+mod isa;
 pub mod testing;
 
-pub use dot::{
-    dot_rows, dot_rows_multi, quantize_row_q8, uses_q8_activations, vec_axpy_f32, vec_dot,
-    vec_dot_f32, Q8Block, MULTI_ROWS, Q8_BLOCK,
+pub use activations::{
+    quantize_row_q8, quantize_row_q8k, ActivationBlocks, Q8Block, Q8KBlock, Quantized,
+    QuantizedRows, Q8K_BLOCK, Q8_BLOCK,
 };
+pub use dot::{dot_rows, dot_rows_multi, vec_axpy_f32, vec_dot, vec_dot_f32, MULTI_ROWS};
+pub use isa::Isa;
 
 use crate::DType;
 use half::{bf16, f16};
