@@ -191,10 +191,16 @@ fn attend<S: RowOps, T: Half>(
     let table = a.block_table(t.seq);
     // Cache offsets of the split's positions, walked block by block.
     s.offsets.clear();
-    for b in t.start / bs..=(t.start + t.len - 1) / bs {
+    let first = t.start / bs;
+    for (b, &block) in table
+        .iter()
+        .enumerate()
+        .take((t.start + t.len - 1) / bs + 1)
+        .skip(first)
+    {
         let lo = (b * bs).max(t.start);
         let hi = ((b + 1) * bs).min(t.start + t.len);
-        let base = table[b] as usize * bs;
+        let base = block as usize * bs;
         s.offsets
             .extend((lo..hi).map(|p| (base + p - b * bs) * kv_len + t.kv_head * hd));
     }
@@ -237,7 +243,7 @@ mod avx2 {
     impl RowOps for Avx2 {
         #[inline(always)]
         fn dot<T: Half>(q: &[f32], k: &[T]) -> f32 {
-            debug_assert!(q.len() == k.len() && q.len() % 8 == 0);
+            debug_assert!(q.len() == k.len() && q.len().is_multiple_of(8));
             // SAFETY: in-bounds loads of whole groups of 8; AVX2/FMA/F16C are enabled in
             // the one function this is inlined into.
             unsafe {
@@ -273,7 +279,9 @@ mod avx2 {
         /// Up to 64 output columns at a time stay in eight registers across all positions.
         #[inline(always)]
         fn weighted_sum<T: Half>(w: &[f32], at: &[usize], v: &[T], out: &mut [f32]) {
-            debug_assert!(out.len() % 8 == 0 && at.iter().all(|&a| a + out.len() <= v.len()));
+            debug_assert!(
+                out.len().is_multiple_of(8) && at.iter().all(|&a| a + out.len() <= v.len())
+            );
             // SAFETY: the rows lie inside `v` (checked by the slicing of the callers'
             // offsets); AVX2/FMA/F16C are enabled in the one function this is inlined into.
             unsafe {
@@ -331,7 +339,7 @@ mod avx512 {
     impl RowOps for Avx512 {
         #[inline(always)]
         fn dot<T: Half>(q: &[f32], k: &[T]) -> f32 {
-            debug_assert!(q.len() == k.len() && q.len() % 16 == 0);
+            debug_assert!(q.len() == k.len() && q.len().is_multiple_of(16));
             // SAFETY: in-bounds loads of whole groups of 16; AVX-512 is enabled in the one
             // function this is inlined into.
             unsafe {
@@ -357,7 +365,9 @@ mod avx512 {
         /// Up to 128 output columns at a time stay in eight registers across all positions.
         #[inline(always)]
         fn weighted_sum<T: Half>(w: &[f32], at: &[usize], v: &[T], out: &mut [f32]) {
-            debug_assert!(out.len() % 16 == 0 && at.iter().all(|&a| a + out.len() <= v.len()));
+            debug_assert!(
+                out.len().is_multiple_of(16) && at.iter().all(|&a| a + out.len() <= v.len())
+            );
             // SAFETY: as for `dot`; the rows lie inside `v`.
             unsafe {
                 for c0 in (0..out.len()).step_by(128) {
@@ -413,9 +423,9 @@ fn exp_shifted_portable(xs: &mut [f32], max: f32) {
     xs.iter_mut().for_each(|x| *x = exp_nonpositive(*x - max));
 }
 
-/// e^x for x ≤ 0 within 4 ulp, in branch-free arithmetic the compiler vectorizes: x = n·ln2
-/// + r with |r| ≤ ln2/2, e^r by its degree-6 Taylor polynomial (error < r⁷/7! ≈ 1.3e-7
-/// relative), 2^n put into the exponent bits. Below −87 the result would leave the normal
+/// e^x for x ≤ 0 within 4 ulp, in branch-free arithmetic the compiler vectorizes: x is
+/// n·ln2 + r with |r| ≤ ln2/2, e^r comes from its degree-6 Taylor polynomial (error below
+/// r⁷/7! ≈ 1.3e-7 relative), and 2^n goes into the exponent bits. Below −87 the result would leave the normal
 /// range; it is clamped there (e^−87 ≈ 1.6e−38, zero for a softmax weight).
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {

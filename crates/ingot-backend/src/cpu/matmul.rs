@@ -58,6 +58,7 @@ pub struct ActivationScratch {
 /// # Safety
 /// `dst` must be valid for writes of `m` rows of `n` elements at stride `ld`, and no other
 /// reference may alias those elements during the call.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn matmul(
     x: &[f32],
     w: Weight<'_>,

@@ -146,7 +146,7 @@ impl Team {
         job.start();
         // SAFETY: no worker is busy (the last `run` waited for all of them), so none reads
         // `job`; the pointer is cleared again below, before `job` goes out of scope.
-        unsafe { *s.job.get() = &job as *const Job<'_> as *const Job<'static> };
+        unsafe { *s.job.get() = (&raw const job).cast::<Job<'static>>() };
         s.busy.store(self.workers.len(), Relaxed);
         s.rest.store(false, Relaxed);
         s.epoch.fetch_add(1, SeqCst);

@@ -282,13 +282,13 @@ pub unsafe fn rows_q45k_multi<const R: usize>(
                     _mm256_set1_epi16(sc[2 * g]),
                     _mm256_set1_epi16(sc[2 * g + 1]),
                 );
-                for r in 0..R {
+                for (r, isum) in isum.iter_mut().enumerate() {
                     let x = xq.get_unchecked(r * nb + blk).qs.as_ptr().add(64 * g);
                     let x_lo = _mm256_load_si256(x as *const __m256i);
                     let x_hi = _mm256_load_si256(x.add(32) as *const __m256i);
                     let p =
                         _mm256_add_epi32(scaled_dot(lo, x_lo, s_lo), scaled_dot(hi, x_hi, s_hi));
-                    isum[r] = _mm256_add_epi32(isum[r], p);
+                    *isum = _mm256_add_epi32(*isum, p);
                 }
             }
             let mut dx = [0f32; R];
@@ -351,14 +351,14 @@ pub unsafe fn rows_q6k_multi<const R: usize>(
                     // Elements 0..16 of the 32 use one scale, 16..32 the next.
                     let k = half * 8 + 2 * i;
                     let s = _mm256_set_m128i(_mm_set1_epi16(sc(k + 1)), _mm_set1_epi16(sc(k)));
-                    for r in 0..R {
+                    for (r, isum) in isum.iter_mut().enumerate() {
                         let x = xq
                             .get_unchecked(r * nb + blk)
                             .qs
                             .as_ptr()
                             .add(128 * half + 32 * i);
                         let xv = _mm256_load_si256(x as *const __m256i);
-                        isum[r] = _mm256_add_epi32(isum[r], scaled_dot(*q, xv, s));
+                        *isum = _mm256_add_epi32(*isum, scaled_dot(*q, xv, s));
                     }
                 }
             }
