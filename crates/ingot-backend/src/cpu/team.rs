@@ -6,9 +6,10 @@
 //! after ~20 µs without work, so in a decode step most ops found the other thread asleep
 //! and ran on one core while it woke (measured on the 2-core VM: a Q4_1 down projection,
 //! 576 × 1536, took 22.8 µs with both threads awake and 46 µs after a 20 µs serial gap).
-//! Here the caller publishes a job, works on it with the team, and waits for the others at
-//! a spinning barrier; idle workers spin for [`SPIN`] before parking, and [`Team::rest`]
-//! parks them at once (before a long op that runs on rayon, which they would slow down).
+//! Here the caller publishes a job, works on it with the team, and waits (spinning) only for
+//! the workers that joined it; idle workers spin for [`SPIN`] before parking, and
+//! [`Team::rest`] parks them at once (before a long op that runs on rayon, which they would
+//! slow down).
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -64,14 +65,21 @@ impl Job<'_> {
     }
 }
 
+/// `Shared::gate`: the job's epoch in the high half, then whether it is closed to new
+/// workers, then how many workers joined it and have not finished.
+const EPOCH_SHIFT: u32 = 32;
+const CLOSED: u64 = 1 << 31;
+const JOINED: u64 = CLOSED - 1;
+
 struct Shared {
-    /// Bumped once per job; a worker runs each job it sees once.
-    epoch: AtomicU64,
-    /// The current job, valid while `busy` is non-zero. Written only by the caller of
-    /// `run`, before it bumps `epoch` and while no worker is busy.
+    /// A new job opens it with the next epoch; a worker joins the job by counting itself
+    /// in while it is open; the caller, its own share done, closes it and waits only for
+    /// the workers that joined. A worker that is descheduled (more threads than cores)
+    /// therefore delays no job it has not joined: the caller takes its tasks.
+    gate: AtomicU64,
+    /// The current job. Written only by the caller of `run`, before it opens the gate and
+    /// while no worker is joined; read by workers only after joining.
     job: UnsafeCell<*const Job<'static>>,
-    /// Workers that have not finished the current job.
-    busy: AtomicUsize,
     /// Task cursors, one per thread, reused by every job.
     cursors: Box<[Cursor]>,
     /// Set by `rest`: spinning workers park at once.
@@ -85,7 +93,7 @@ struct Shared {
 }
 
 // SAFETY: `job` is written only while no worker reads it (see the field) and read only
-// after the release/acquire pair on `epoch`.
+// after joining through `gate` (release when opened, acquire when joined).
 unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw job pointer is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
@@ -102,9 +110,8 @@ impl Team {
     /// A team of `threads` threads: the caller of [`Team::run`] and `threads - 1` workers.
     pub fn new(threads: usize) -> std::io::Result<Team> {
         let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
+            gate: AtomicU64::new(CLOSED),
             job: UnsafeCell::new(std::ptr::null()),
-            busy: AtomicUsize::new(0),
             cursors: (0..threads.max(1))
                 .map(|_| Cursor(AtomicUsize::new(0)))
                 .collect(),
@@ -144,22 +151,25 @@ impl Team {
             cursors: &s.cursors,
         };
         job.start();
-        // SAFETY: no worker is busy (the last `run` waited for all of them), so none reads
-        // `job`; the pointer is cleared again below, before `job` goes out of scope.
+        // SAFETY: the gate is closed with no worker joined (the last `run` waited for them),
+        // so none reads `job`; the pointer is cleared again below, before `job` goes out of
+        // scope.
         unsafe { *s.job.get() = (&raw const job).cast::<Job<'static>>() };
-        s.busy.store(self.workers.len(), Relaxed);
         s.rest.store(false, Relaxed);
-        s.epoch.fetch_add(1, SeqCst);
+        let epoch = ((s.gate.load(Relaxed) >> EPOCH_SHIFT) + 1) & u64::from(u32::MAX);
+        s.gate.store(epoch << EPOCH_SHIFT, SeqCst);
         if s.sleepers.load(SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
         let mine = catch_unwind(AssertUnwindSafe(|| job.work(0)));
-        // Even when a task panicked here, the workers may still be running others.
-        while s.busy.load(Acquire) != 0 {
+        // Every task is taken now (or a task here panicked): close the job and wait for
+        // the workers still running tasks.
+        s.gate.fetch_or(CLOSED, AcqRel);
+        while s.gate.load(Acquire) & JOINED != 0 {
             std::hint::spin_loop();
         }
-        // SAFETY: as above; every worker is done with the job.
+        // SAFETY: as above; no worker is joined and none can join.
         unsafe { *s.job.get() = std::ptr::null() };
         let theirs = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Err(p) = mine {
@@ -224,7 +234,8 @@ fn worker(s: &Shared, me: usize) {
     loop {
         let started = Instant::now();
         let mut spins = 0u32;
-        while s.epoch.load(Acquire) == seen {
+        let mut gate = s.gate.load(Acquire);
+        while gate >> EPOCH_SHIFT == seen {
             std::hint::spin_loop();
             spins += 1;
             // The clock is read every 256 spins: often enough for a 1 ms budget.
@@ -234,18 +245,31 @@ fn worker(s: &Shared, me: usize) {
             if s.stop.load(Relaxed) {
                 return;
             }
+            gate = s.gate.load(Acquire);
         }
-        seen = s.epoch.load(Acquire);
-        // SAFETY: the job was published before `epoch` moved (release/acquire) and stays
-        // valid until this worker decrements `busy`.
-        let job = unsafe { &**s.job.get() };
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| job.work(me))) {
-            s.panic
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_or_insert(p);
+        seen = gate >> EPOCH_SHIFT;
+        // Join while the job is open; a closed one is finished without this worker.
+        while gate >> EPOCH_SHIFT == seen && gate & CLOSED == 0 {
+            match s
+                .gate
+                .compare_exchange_weak(gate, gate + 1, AcqRel, Acquire)
+            {
+                Ok(_) => {
+                    // SAFETY: the job was published before the gate opened and stays valid
+                    // until this worker leaves it (the caller waits for that).
+                    let job = unsafe { &**s.job.get() };
+                    if let Err(p) = catch_unwind(AssertUnwindSafe(|| job.work(me))) {
+                        s.panic
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .get_or_insert(p);
+                    }
+                    s.gate.fetch_sub(1, Release);
+                    break;
+                }
+                Err(now) => gate = now,
+            }
         }
-        s.busy.fetch_sub(1, Release);
     }
 }
 
@@ -253,7 +277,7 @@ fn worker(s: &Shared, me: usize) {
 fn park(s: &Shared, seen: u64) {
     let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
     s.sleepers.fetch_add(1, SeqCst);
-    while s.epoch.load(SeqCst) == seen && !s.stop.load(SeqCst) {
+    while s.gate.load(SeqCst) >> EPOCH_SHIFT == seen && !s.stop.load(SeqCst) {
         g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
     }
     s.sleepers.fetch_sub(1, SeqCst);

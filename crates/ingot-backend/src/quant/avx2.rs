@@ -1,6 +1,7 @@
 //! AVX2 kernels: integer dots with `maddubs`/`madd` (32 weights a step) and f32 dots.
 
 use super::activations::{Q8Block, Q8KBlock};
+use super::PREFETCH;
 use std::arch::x86_64::*;
 
 #[inline(always)]
@@ -128,6 +129,7 @@ pub unsafe fn rows_q8_0_multi<const R: usize>(
         let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         let pairs = nb / 2;
         for i in 0..pairs {
+            _mm_prefetch::<_MM_HINT_T0>(wj.wrapping_add(68 * i + PREFETCH) as *const i8);
             q8_0_block_multi(wj.add(68 * i), xq, nb, 2 * i, &mut a0);
             q8_0_block_multi(wj.add(68 * i + 34), xq, nb, 2 * i + 1, &mut a1);
         }
@@ -179,6 +181,7 @@ pub unsafe fn rows_q4_multi<const R: usize>(
         let (mut o0, mut o1) = ([0f32; R], [0f32; R]);
         let pairs = nb / 2;
         for i in 0..pairs {
+            _mm_prefetch::<_MM_HINT_T0>(wj.wrapping_add(2 * bb * i + PREFETCH) as *const i8);
             q4_block_multi(wj.add(2 * bb * i), xq, nb, 2 * i, has_min, &mut a0, &mut o0);
             q4_block_multi(
                 wj.add(2 * bb * i + bb),

@@ -1,4 +1,5 @@
-//! AVX-512 VNNI kernels: integer dots with `vpdpbusd`, two GGUF blocks (64 weights) a step.
+//! AVX-512 VNNI kernels: Q4_0/Q4_1 integer dots with `vpdpbusd`, two GGUF blocks (64
+//! weights) a step.
 //!
 //! A step's two weight blocks fill one 512-bit register (block 0 in the low half), so the
 //! 16 i32 lanes of `vpdpbusd` hold 8 partial sums of each block, and one permute spreads
@@ -6,6 +7,7 @@
 //! blocks are computed together in one 4-lane product: `[d0·xd0, m0·xs0, d1·xd1, m1·xs1]`.
 
 use super::activations::Q8Block;
+use super::PREFETCH;
 use std::arch::x86_64::*;
 
 /// Lanes 0..8 get element 0 of `s`, lanes 8..16 element 2: each block's scale over its
@@ -61,18 +63,6 @@ unsafe fn q4_pair(b0: *const u8, b1: *const u8, bb: usize, has_min: bool) -> (__
     (w, dm)
 }
 
-/// Q8_0 blocks at `b0` and `b1`: their 64 signed quants and `[d0, d0, d1, d1]`.
-#[inline(always)]
-unsafe fn q8_pair(b0: *const u8, b1: *const u8) -> (__m512i, __m128) {
-    let w = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(2) as *const __m256i)),
-        _mm256_loadu_si256(b1.add(2) as *const __m256i),
-        1,
-    );
-    let raw = _mm_set_epi32(0, 0, read_u16(b1), read_u16(b0));
-    (w, _mm_moveldup_ps(_mm_cvtph_ps(raw)))
-}
-
 #[inline(always)]
 unsafe fn read_u32(p: *const u8) -> i32 {
     (p as *const i32).read_unaligned()
@@ -90,73 +80,6 @@ unsafe fn odd_lanes_sum(o: __m128) -> f32 {
     _mm_cvtss_f32(_mm_movehdup_ps(t))
 }
 
-/// Block pairs of weight row `wj` (`nb` blocks of `bb` bytes), an odd last block paired
-/// with itself and its copy's scale and offset masked to zero. `pair` decodes two blocks
-/// into unsigned-or-signed quants and `[d0, m0, d1, m1]`-shaped scales; `signed` says the
-/// weight quants are signed (Q8_0), whose signs then move onto the activations because
-/// `vpdpbusd` takes one operand unsigned.
-#[inline(always)]
-unsafe fn row_dots<const R: usize>(
-    wj: *const u8,
-    bb: usize,
-    xq: &[Q8Block],
-    nb: usize,
-    signed: bool,
-    pair: impl Fn(*const u8, *const u8) -> (__m512i, __m128),
-) -> ([__m512; R], [__m128; R]) {
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut off = [_mm_setzero_ps(); R];
-    let mut blk = 0;
-    while blk < nb {
-        let last = blk + 1 == nb;
-        let next = if last { blk } else { blk + 1 };
-        let (mut w, dm) = pair(wj.add(blk * bb), wj.add(next * bb));
-        let negative = if signed {
-            let m = _mm512_movepi8_mask(w);
-            w = _mm512_abs_epi8(w);
-            m
-        } else {
-            0
-        };
-        for r in 0..R {
-            let (mut xv, xds) = x_pair(
-                xq.get_unchecked(r * nb + blk),
-                xq.get_unchecked(r * nb + next),
-            );
-            if signed {
-                xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-            }
-            let mut s = _mm_mul_ps(dm, xds);
-            if last {
-                s = _mm_maskz_mov_ps(0b0011, s);
-            }
-            let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), spread_scales(s), acc[r]);
-            off[r] = _mm_add_ps(off[r], s);
-        }
-        blk += 2;
-    }
-    (acc, off)
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn rows_q8_0_multi<const R: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    xq: &[Q8Block],
-    nb: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    for j in 0..n {
-        let wj = w.as_ptr().add(j * row_bytes);
-        let (acc, _) = row_dots::<R>(wj, 34, xq, nb, true, |b0, b1| q8_pair(b0, b1));
-        for r in 0..R {
-            out[r * n + j] = _mm512_reduce_add_ps(acc[r]);
-        }
-    }
-}
-
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn rows_q4_multi<const R: usize>(
     w: &[u8],
@@ -170,8 +93,31 @@ pub unsafe fn rows_q4_multi<const R: usize>(
     let bb = if has_min { 20 } else { 18 };
     for j in 0..n {
         let wj = w.as_ptr().add(j * row_bytes);
-        let (acc, off) =
-            row_dots::<R>(wj, bb, xq, nb, false, |b0, b1| q4_pair(b0, b1, bb, has_min));
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut off = [_mm_setzero_ps(); R];
+        // Block pairs; an odd last block is paired with itself, its copy's scale and offset
+        // masked to zero.
+        let mut blk = 0;
+        while blk < nb {
+            let last = blk + 1 == nb;
+            let next = if last { blk } else { blk + 1 };
+            _mm_prefetch::<_MM_HINT_T0>(wj.wrapping_add(blk * bb + PREFETCH) as *const i8);
+            let (q, dm) = q4_pair(wj.add(blk * bb), wj.add(next * bb), bb, has_min);
+            for r in 0..R {
+                let (xv, xds) = x_pair(
+                    xq.get_unchecked(r * nb + blk),
+                    xq.get_unchecked(r * nb + next),
+                );
+                let mut s = _mm_mul_ps(dm, xds);
+                if last {
+                    s = _mm_maskz_mov_ps(0b0011, s);
+                }
+                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), spread_scales(s), acc[r]);
+                off[r] = _mm_add_ps(off[r], s);
+            }
+            blk += 2;
+        }
         for r in 0..R {
             out[r * n + j] = _mm512_reduce_add_ps(acc[r]) + odd_lanes_sum(off[r]);
         }

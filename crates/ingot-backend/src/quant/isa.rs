@@ -15,7 +15,8 @@ pub enum Isa {
     Portable,
     /// AVX2 + FMA + F16C: `maddubs`/`madd` integer dots, 32 weights a step.
     Avx2,
-    /// AVX-512 F/BW/VL + VNNI: `vpdpbusd` integer dots, 64 weights a step.
+    /// AVX-512 F/BW/VL + VNNI: `vpdpbusd` integer dots for Q4_0/Q4_1, 64 weights a step;
+    /// the other integer kernels are AVX2's, and attention reads 16-bit caches 16 lanes wide.
     Avx512Vnni,
 }
 
