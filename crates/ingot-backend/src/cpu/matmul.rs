@@ -4,9 +4,10 @@
 //! rows are multiplied (checked in the op tests), so f32 runs are batch-invariant.
 //! Other weights, few rows (decode): each weight row is read once and dotted with every
 //! activation row, four at a time, on integers where the weight type allows
-//! ([`crate::quant::dot_rows_multi`]); parallel over weight rows. Many rows (prefill): weight rows are dequantized a tile at a
-//! time into f32 and multiplied with `gemm`, parallel over tiles; the tile stays in cache
-//! while all activation rows pass over it.
+//! ([`crate::quant::dot_rows_multi`]); split over the worker team by weight rows. Many rows
+//! (prefill): weight rows are dequantized a tile at a time into f32 and multiplied with
+//! `gemm`, tiles split over the team; the tile stays in cache while all activation rows
+//! pass over it.
 
 use super::team::Team;
 use super::SendPtr;

@@ -1,10 +1,11 @@
 //! Dot products of weight rows with one activation row, or with a few at once.
 //!
-//! For Q8_0/Q4_0/Q4_1 weights the activation row is quantized once per matmul into 8-bit
-//! blocks ([`Q8Block`]) and the dot product runs on integers (AVX-512 VNNI `vpdpbusd` or
-//! AVX2 `maddubs`/`madd`, see [`Isa`]), as llama.cpp does: decode is bound by weight bytes, and integer dots keep the compute
-//! below the memory time. Other weight types are dequantized block by block and dotted in
-//! f32.
+//! For the GGUF block types the activation row is quantized once per matmul into 8-bit
+//! blocks (of 32 for Q8_0/Q4_0/Q4_1, of 256 for the K-quants; `super::activations`) and the
+//! dot product runs on integers (AVX-512 VNNI `vpdpbusd` or AVX2 `maddubs`/`madd`, see
+//! [`Isa`]), as llama.cpp does: decode is bound by weight bytes, and integer dots keep the
+//! compute below the memory time. f16/bf16 weights are converted block by block and dotted
+//! in f32.
 
 use super::activations::{Q8Block, Q8KBlock, Quantized, Q8K_BLOCK, Q8_BLOCK};
 #[cfg(target_arch = "x86_64")]
