@@ -41,30 +41,92 @@ impl Half for bf16 {
     }
 }
 
-/// The two vector operations of a task, on cache rows in their 16-bit form.
-trait RowOps {
-    /// `q · k`.
-    fn dot<T: Half>(q: &[f32], k: &[T]) -> f32;
-    /// `out = Σ w[i] · v[at[i]..][..out.len()]`.
-    fn weighted_sum<T: Half>(w: &[f32], at: &[usize], v: &[T], out: &mut [f32]);
+/// One SIMD register of f32 lanes (a plain f32 on the portable path) and the operations a
+/// task runs on it; [`dot`] and [`weighted_sum`] are written once over it.
+trait Lanes: Copy {
+    const N: usize;
+    /// # Safety (all functions)
+    /// The CPU has the instructions of the implementation, and pointers are valid for `N`
+    /// elements.
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    /// `N` cache elements as f32.
+    unsafe fn load_half<T: Half>(p: *const T) -> Self;
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn add(a: Self, b: Self) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    unsafe fn sum(self) -> f32;
 }
 
-struct Portable;
-
-impl RowOps for Portable {
-    #[inline(always)]
-    fn dot<T: Half>(q: &[f32], k: &[T]) -> f32 {
-        q.iter().zip(k).map(|(q, k)| q * k.to_f32()).sum()
+impl Lanes for f32 {
+    const N: usize = 1;
+    unsafe fn splat(x: f32) -> Self {
+        x
     }
+    unsafe fn load(p: *const f32) -> Self {
+        *p
+    }
+    unsafe fn load_half<T: Half>(p: *const T) -> Self {
+        (*p).to_f32()
+    }
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+        a * b + c
+    }
+    unsafe fn add(a: Self, b: Self) -> Self {
+        a + b
+    }
+    unsafe fn store(self, p: *mut f32) {
+        *p = self
+    }
+    unsafe fn sum(self) -> f32 {
+        self
+    }
+}
 
-    #[inline(always)]
-    fn weighted_sum<T: Half>(w: &[f32], at: &[usize], v: &[T], out: &mut [f32]) {
-        out.fill(0.0);
+/// `q · k`, for rows whose length is a multiple of `L::N` (checked by the caller).
+///
+/// # Safety
+/// As for [`Lanes`]; inlined into the one function that enables its instructions.
+#[inline(always)]
+unsafe fn dot<L: Lanes, T: Half>(q: &[f32], k: &[T]) -> f32 {
+    debug_assert!(q.len() == k.len() && q.len().is_multiple_of(L::N));
+    let n = q.len();
+    let (q, k) = (q.as_ptr(), k.as_ptr());
+    let (mut a0, mut a1) = (L::splat(0.0), L::splat(0.0));
+    let mut i = 0;
+    while i + 2 * L::N <= n {
+        a0 = L::mul_add(L::load(q.add(i)), L::load_half(k.add(i)), a0);
+        a1 = L::mul_add(L::load(q.add(i + L::N)), L::load_half(k.add(i + L::N)), a1);
+        i += 2 * L::N;
+    }
+    if i < n {
+        a0 = L::mul_add(L::load(q.add(i)), L::load_half(k.add(i)), a0);
+    }
+    L::add(a0, a1).sum()
+}
+
+/// `out = Σ w[i] · v[at[i]..][..out.len()]`, for rows whose length is a multiple of `L::N`:
+/// up to eight registers of output columns stay in registers across all positions.
+///
+/// # Safety
+/// As for [`dot`].
+#[inline(always)]
+unsafe fn weighted_sum<L: Lanes, T: Half>(w: &[f32], at: &[usize], v: &[T], out: &mut [f32]) {
+    debug_assert!(out.len().is_multiple_of(L::N) && at.iter().all(|&a| a + out.len() <= v.len()));
+    let cols = 8 * L::N;
+    for c0 in (0..out.len()).step_by(cols) {
+        let vectors = (out.len() - c0).min(cols) / L::N;
+        let mut acc = [L::splat(0.0); 8];
         for (&w, &at) in w.iter().zip(at) {
-            let row = &v[at..][..out.len()];
-            out.iter_mut()
-                .zip(row)
-                .for_each(|(o, v)| *o += w * v.to_f32());
+            let (w, row) = (L::splat(w), v.as_ptr().add(at + c0));
+            for (j, acc) in acc.iter_mut().enumerate() {
+                if j < vectors {
+                    *acc = L::mul_add(w, L::load_half(row.add(j * L::N)), *acc);
+                }
+            }
+        }
+        for (j, acc) in acc.iter().take(vectors).enumerate() {
+            acc.store(out.as_mut_ptr().add(c0 + j * L::N));
         }
     }
 }
@@ -99,12 +161,13 @@ pub fn run<T: Half>(a: &PagedAttention<'_>, k: &[T], v: &[T], out: &mut [f32], t
         head_dim: hd,
     } = a.layout;
     let group = num_heads / num_kv_heads;
-    // A token's tasks are contiguous, KV head by KV head, splits in order.
+    // A token's tasks are contiguous, KV head by KV head, splits in order; `rows` keeps
+    // each token's first task and its splits per KV head for the merge.
     let mut tasks = Vec::new();
-    let mut first_task = Vec::with_capacity(a.rows);
+    let mut rows = Vec::with_capacity(a.rows);
     for row in 0..a.rows {
         let (seq, len) = a.row_context(row);
-        first_task.push(tasks.len());
+        rows.push((tasks.len(), len.div_ceil(SPLIT)));
         for kv_head in 0..num_kv_heads {
             for start in (0..len).step_by(SPLIT) {
                 let len = SPLIT.min(len - start);
@@ -132,8 +195,8 @@ pub fn run<T: Half>(a: &PagedAttention<'_>, k: &[T], v: &[T], out: &mut [f32], t
         for (j, out) in chunk.chunks_exact_mut(hd).enumerate() {
             let i = c * MERGES_PER_TASK + j;
             let (row, head) = (i / num_heads, i % num_heads);
-            let splits = a.row_context(row).1.div_ceil(SPLIT);
-            let first = first_task[row] + (head / group) * splits;
+            let (first, splits) = rows[row];
+            let first = first + (head / group) * splits;
             let at = |s: usize| (first + s) * stride + (head % group) * (hd + 2);
             let max = (0..splits).fold(f32::NEG_INFINITY, |m, s| m.max(partials[at(s)]));
             let mut sum = 0f32;
@@ -156,23 +219,27 @@ fn attend_on_isa<T: Half>(a: &PagedAttention<'_>, t: &Task, k: &[T], v: &[T], p:
     // become calls.
     SCRATCH.with_borrow_mut(|s| {
         let hd = a.layout.head_dim;
-        // SAFETY (both): `a.isa` is one this CPU supports (checked when it was chosen).
+        // SAFETY (all): `a.isa` is one this CPU supports (checked when it was chosen), and
+        // the head size is a multiple of the path's lanes.
         #[cfg(target_arch = "x86_64")]
         if a.isa == Isa::Avx512Vnni && hd.is_multiple_of(16) {
-            return unsafe { avx512::attend(a, t, k, v, p, s) };
+            return unsafe { x86::attend_avx512(a, t, k, v, p, s) };
         }
         #[cfg(target_arch = "x86_64")]
         if a.isa >= Isa::Avx2 && hd.is_multiple_of(8) {
-            return unsafe { avx2::attend(a, t, k, v, p, s) };
+            return unsafe { x86::attend_avx2(a, t, k, v, p, s) };
         }
-        attend::<Portable, T>(a, t, k, v, p, s)
+        unsafe { attend::<f32, T>(a, t, k, v, p, s) }
     })
 }
 
 /// One task: scores of the group's query heads against the split's keys, their softmax
 /// weights (relative to the split's max) and the weighted sum of its values.
+///
+/// # Safety
+/// As for [`dot`], with a head size that is a multiple of `L::N`.
 #[inline(always)]
-fn attend<S: RowOps, T: Half>(
+unsafe fn attend<L: Lanes, T: Half>(
     a: &PagedAttention<'_>,
     t: &Task,
     k: &[T],
@@ -211,101 +278,100 @@ fn attend<S: RowOps, T: Half>(
     for (h, p) in partial.chunks_exact_mut(hd + 2).enumerate() {
         let q = &s.q[h * hd..][..hd];
         for (score, &at) in s.scores.iter_mut().zip(&s.offsets) {
-            *score = S::dot(q, &k[at..][..hd]);
+            *score = dot::<L, T>(q, &k[at..][..hd]);
         }
         let max = s.scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         exp_shifted(a.isa, &mut s.scores, max);
         p[0] = max;
         p[1] = s.scores.iter().sum();
-        S::weighted_sum(&s.scores, &s.offsets, v, &mut p[2..]);
+        weighted_sum::<L, T>(&s.scores, &s.offsets, v, &mut p[2..]);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{Half, PagedAttention, RowOps, Scratch, Task};
+mod x86 {
+    use super::{Half, Lanes, PagedAttention, Scratch, Task};
     use std::arch::x86_64::*;
 
-    struct Avx2;
-
-    /// Eight cache elements from `p` as f32.
-    #[inline(always)]
-    unsafe fn load8<T: Half>(p: *const T) -> __m256 {
-        let raw = _mm_loadu_si128(p as *const __m128i);
-        if T::BF16 {
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
-        } else {
-            _mm256_cvtph_ps(raw)
+    impl Lanes for __m256 {
+        const N: usize = 8;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            _mm256_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_half<T: Half>(p: *const T) -> Self {
+            let raw = _mm_loadu_si128(p as *const __m128i);
+            if T::BF16 {
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+            } else {
+                _mm256_cvtph_ps(raw)
+            }
+        }
+        #[inline(always)]
+        unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            _mm256_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self)
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            let s = _mm_add_ps(_mm256_castps256_ps128(self), _mm256_extractf128_ps(self, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
         }
     }
 
-    /// Both operations take rows whose length is a multiple of 8 (checked by the caller).
-    impl RowOps for Avx2 {
+    impl Lanes for __m512 {
+        const N: usize = 16;
         #[inline(always)]
-        fn dot<T: Half>(q: &[f32], k: &[T]) -> f32 {
-            debug_assert!(q.len() == k.len() && q.len().is_multiple_of(8));
-            // SAFETY: in-bounds loads of whole groups of 8; AVX2/FMA/F16C are enabled in
-            // the one function this is inlined into.
-            unsafe {
-                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                let mut i = 0;
-                while i + 16 <= q.len() {
-                    a0 = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(q.as_ptr().add(i)),
-                        load8(k.as_ptr().add(i)),
-                        a0,
-                    );
-                    a1 = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(q.as_ptr().add(i + 8)),
-                        load8(k.as_ptr().add(i + 8)),
-                        a1,
-                    );
-                    i += 16;
-                }
-                if i < q.len() {
-                    a0 = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(q.as_ptr().add(i)),
-                        load8(k.as_ptr().add(i)),
-                        a0,
-                    );
-                }
-                let s = _mm256_add_ps(a0, a1);
-                let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-                _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+        unsafe fn splat(x: f32) -> Self {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_half<T: Half>(p: *const T) -> Self {
+            let raw = _mm256_loadu_si256(p as *const __m256i);
+            if T::BF16 {
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+            } else {
+                _mm512_cvtph_ps(raw)
             }
         }
-
-        /// Up to 64 output columns at a time stay in eight registers across all positions.
         #[inline(always)]
-        fn weighted_sum<T: Half>(w: &[f32], at: &[usize], v: &[T], out: &mut [f32]) {
-            debug_assert!(
-                out.len().is_multiple_of(8) && at.iter().all(|&a| a + out.len() <= v.len())
-            );
-            // SAFETY: the rows lie inside `v` (checked by the slicing of the callers'
-            // offsets); AVX2/FMA/F16C are enabled in the one function this is inlined into.
-            unsafe {
-                for c0 in (0..out.len()).step_by(64) {
-                    let vectors = (out.len() - c0).min(64) / 8;
-                    let mut acc = [_mm256_setzero_ps(); 8];
-                    for (&w, &at) in w.iter().zip(at) {
-                        let (w, row) = (_mm256_set1_ps(w), v.as_ptr().add(at + c0));
-                        for (j, acc) in acc.iter_mut().enumerate() {
-                            if j < vectors {
-                                *acc = _mm256_fmadd_ps(w, load8(row.add(8 * j)), *acc);
-                            }
-                        }
-                    }
-                    for (j, acc) in acc.iter().take(vectors).enumerate() {
-                        _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * j), *acc);
-                    }
-                }
-            }
+        unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            _mm512_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self)
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            _mm512_reduce_add_ps(self)
         }
     }
 
+    /// `attend` compiled for AVX2; its `Lanes` calls inline into this function.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attend<T: Half>(
+    pub(super) unsafe fn attend_avx2<T: Half>(
         a: &PagedAttention<'_>,
         t: &Task,
         k: &[T],
@@ -313,84 +379,12 @@ mod avx2 {
         partial: &mut [f32],
         s: &mut Scratch,
     ) {
-        super::attend::<Avx2, T>(a, t, k, v, partial, s)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::{Half, PagedAttention, RowOps, Scratch, Task};
-    use std::arch::x86_64::*;
-
-    struct Avx512;
-
-    /// Sixteen cache elements from `p` as f32.
-    #[inline(always)]
-    unsafe fn load16<T: Half>(p: *const T) -> __m512 {
-        let raw = _mm256_loadu_si256(p as *const __m256i);
-        if T::BF16 {
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
-        } else {
-            _mm512_cvtph_ps(raw)
-        }
+        super::attend::<__m256, T>(a, t, k, v, partial, s)
     }
 
-    /// Both operations take rows whose length is a multiple of 16 (checked by the caller).
-    impl RowOps for Avx512 {
-        #[inline(always)]
-        fn dot<T: Half>(q: &[f32], k: &[T]) -> f32 {
-            debug_assert!(q.len() == k.len() && q.len().is_multiple_of(16));
-            // SAFETY: in-bounds loads of whole groups of 16; AVX-512 is enabled in the one
-            // function this is inlined into.
-            unsafe {
-                let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-                let mut i = 0;
-                while i + 32 <= q.len() {
-                    let (qp, kp) = (q.as_ptr().add(i), k.as_ptr().add(i));
-                    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qp), load16(kp), a0);
-                    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(16)), load16(kp.add(16)), a1);
-                    i += 32;
-                }
-                if i < q.len() {
-                    a0 = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(q.as_ptr().add(i)),
-                        load16(k.as_ptr().add(i)),
-                        a0,
-                    );
-                }
-                _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
-            }
-        }
-
-        /// Up to 128 output columns at a time stay in eight registers across all positions.
-        #[inline(always)]
-        fn weighted_sum<T: Half>(w: &[f32], at: &[usize], v: &[T], out: &mut [f32]) {
-            debug_assert!(
-                out.len().is_multiple_of(16) && at.iter().all(|&a| a + out.len() <= v.len())
-            );
-            // SAFETY: as for `dot`; the rows lie inside `v`.
-            unsafe {
-                for c0 in (0..out.len()).step_by(128) {
-                    let vectors = (out.len() - c0).min(128) / 16;
-                    let mut acc = [_mm512_setzero_ps(); 8];
-                    for (&w, &at) in w.iter().zip(at) {
-                        let (w, row) = (_mm512_set1_ps(w), v.as_ptr().add(at + c0));
-                        for (j, acc) in acc.iter_mut().enumerate() {
-                            if j < vectors {
-                                *acc = _mm512_fmadd_ps(w, load16(row.add(16 * j)), *acc);
-                            }
-                        }
-                    }
-                    for (j, acc) in acc.iter().take(vectors).enumerate() {
-                        _mm512_storeu_ps(out.as_mut_ptr().add(c0 + 16 * j), *acc);
-                    }
-                }
-            }
-        }
-    }
-
+    /// `attend` compiled for AVX-512.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn attend<T: Half>(
+    pub(super) unsafe fn attend_avx512<T: Half>(
         a: &PagedAttention<'_>,
         t: &Task,
         k: &[T],
@@ -398,7 +392,7 @@ mod avx512 {
         partial: &mut [f32],
         s: &mut Scratch,
     ) {
-        super::attend::<Avx512, T>(a, t, k, v, partial, s)
+        super::attend::<__m512, T>(a, t, k, v, partial, s)
     }
 }
 

@@ -21,15 +21,21 @@ use half::slice::HalfFloatSliceExt;
 use std::sync::Mutex;
 
 /// A raw pointer that parallel tasks may share because each writes a disjoint part.
-#[derive(Clone, Copy)]
-pub struct SendPtr(pub *mut f32);
+pub struct SendPtr<T = f32>(pub *mut T);
 // SAFETY: only used for disjoint writes, see the users.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+unsafe impl<T: Send> Send for SendPtr<T> {}
+unsafe impl<T: Send> Sync for SendPtr<T> {}
 
-impl SendPtr {
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
     /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    pub fn get(self) -> *mut f32 {
+    pub fn get(self) -> *mut T {
         self.0
     }
 }

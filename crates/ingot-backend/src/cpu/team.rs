@@ -11,6 +11,7 @@
 //! [`Team::rest`] parks them at once (before a long op that runs on rayon, which they would
 //! slow down).
 
+use super::SendPtr;
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
@@ -217,15 +218,6 @@ impl Drop for Team {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
-    }
-}
-
-struct SendPtr<T>(*mut T);
-// SAFETY: used only for disjoint pieces, see `chunks_mut`.
-unsafe impl<T: Send> Sync for SendPtr<T> {}
-impl<T> SendPtr<T> {
-    fn get(&self) -> *mut T {
-        self.0
     }
 }
 

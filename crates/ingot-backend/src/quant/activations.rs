@@ -111,19 +111,56 @@ pub enum Quantized<'a> {
     Q8K(&'a [Q8KBlock]),
 }
 
+/// What [`Quantized`] and [`QuantizedRows`] need of both block kinds.
+trait Block: Copy + Default {
+    const LEN: usize;
+    fn quantize_row(x: &[f32], out: &mut [Self]);
+    fn values(&self) -> impl Iterator<Item = f32>;
+}
+
+impl Block for Q8Block {
+    const LEN: usize = Q8_BLOCK;
+    fn quantize_row(x: &[f32], out: &mut [Self]) {
+        quantize_row_q8(x, out)
+    }
+    fn values(&self) -> impl Iterator<Item = f32> {
+        self.qs.iter().map(|&q| self.d * q as f32)
+    }
+}
+
+impl Block for Q8KBlock {
+    const LEN: usize = Q8K_BLOCK;
+    fn quantize_row(x: &[f32], out: &mut [Self]) {
+        quantize_row_q8k(x, out)
+    }
+    fn values(&self) -> impl Iterator<Item = f32> {
+        self.qs.iter().map(|&q| self.d * q as f32)
+    }
+}
+
+/// Rows `r0..r1` of blocks for rows `k` elements long.
+fn rows_of<B: Block>(q: &[B], r0: usize, r1: usize, k: usize) -> &[B] {
+    let nb = k / B::LEN;
+    &q[r0 * nb..r1 * nb]
+}
+
+/// `x` (`rows` rows of `k`) quantized into `buf`.
+fn quantize_rows<'a, B: Block>(buf: &'a mut Vec<B>, x: &[f32], rows: usize, k: usize) -> &'a [B] {
+    let nb = k / B::LEN;
+    buf.resize(rows * nb, B::default());
+    for (x, q) in x.chunks_exact(k).zip(buf.chunks_exact_mut(nb)) {
+        B::quantize_row(x, q);
+    }
+    buf
+}
+
 impl<'a> Quantized<'a> {
     /// Rows `r0..r1` of rows `k` elements long.
     pub fn rows(self, r0: usize, r1: usize, k: usize) -> Quantized<'a> {
         match self {
             Quantized::None => Quantized::None,
-            Quantized::Q8(q) => {
-                let nb = k / Q8_BLOCK;
-                Quantized::Q8(&q[r0 * nb..r1 * nb])
-            }
-            Quantized::Q8K(q) => {
-                let nb = k / Q8K_BLOCK;
-                Quantized::Q8K(&q[r0 * nb..r1 * nb])
-            }
+            Quantized::Q8(q) => Quantized::Q8(rows_of(q, r0, r1, k)),
+            Quantized::Q8K(q) => Quantized::Q8K(rows_of(q, r0, r1, k)),
         }
     }
 
@@ -131,14 +168,8 @@ impl<'a> Quantized<'a> {
     pub fn dequantized(self) -> Vec<f32> {
         match self {
             Quantized::None => vec![],
-            Quantized::Q8(q) => q
-                .iter()
-                .flat_map(|b| b.qs.iter().map(move |&v| b.d * v as f32))
-                .collect(),
-            Quantized::Q8K(q) => q
-                .iter()
-                .flat_map(|b| b.qs.iter().map(move |&v| b.d * v as f32))
-                .collect(),
+            Quantized::Q8(q) => q.iter().flat_map(Block::values).collect(),
+            Quantized::Q8K(q) => q.iter().flat_map(Block::values).collect(),
         }
     }
 }
@@ -155,22 +186,8 @@ impl QuantizedRows {
     pub fn quantize(&mut self, dtype: DType, x: &[f32], rows: usize, k: usize) -> Quantized<'_> {
         match ActivationBlocks::of(dtype) {
             ActivationBlocks::None => Quantized::None,
-            ActivationBlocks::Q8 => {
-                let nb = k / Q8_BLOCK;
-                self.q8.resize(rows * nb, Q8Block::default());
-                for (x, q) in x.chunks_exact(k).zip(self.q8.chunks_exact_mut(nb)) {
-                    quantize_row_q8(x, q);
-                }
-                Quantized::Q8(&self.q8)
-            }
-            ActivationBlocks::Q8K => {
-                let nb = k / Q8K_BLOCK;
-                self.q8k.resize(rows * nb, Q8KBlock::default());
-                for (x, q) in x.chunks_exact(k).zip(self.q8k.chunks_exact_mut(nb)) {
-                    quantize_row_q8k(x, q);
-                }
-                Quantized::Q8K(&self.q8k)
-            }
+            ActivationBlocks::Q8 => Quantized::Q8(quantize_rows(&mut self.q8, x, rows, k)),
+            ActivationBlocks::Q8K => Quantized::Q8K(quantize_rows(&mut self.q8k, x, rows, k)),
         }
     }
 }
