@@ -1,5 +1,5 @@
 //! The conformance suite (`conformance/mod.rs`) on the wgpu backend: f32 activations,
-//! f32/f16/bf16 weights and KV caches, once with the adapter's SHADER_F16 and SUBGROUP
+//! f32/f16/bf16 and GGUF Q8_0/Q4_1/Q4_K weights, f32/f16/bf16 KV caches, once with the adapter's SHADER_F16 and SUBGROUP
 //! features and once without (packed f16 pairs, workgroup-memory reductions).
 //!
 //! They run on the first adapter wgpu finds: Mesa's lavapipe in CI (`make test` installs
@@ -9,12 +9,12 @@
 mod conformance;
 
 use conformance::{Dtypes, FLOATS};
-use ingot_backend::wgpu::{Options, WgpuBackend};
+use ingot_backend::wgpu::{shader, Options, WgpuBackend};
 use ingot_backend::{DType, QkvLayout};
 
 const DTYPES: Dtypes = Dtypes {
     activations: &[DType::F32],
-    weights: |_| FLOATS.to_vec(),
+    weights: |_| [&FLOATS[..], shader::BLOCKS].concat(),
     caches: |_| FLOATS.to_vec(),
 };
 

@@ -34,8 +34,20 @@ fn synthetic_models_match_the_cpu() {
 /// take it most of an hour).
 #[test]
 fn f32_real_model_gives_the_transformers_greedy_tokens() {
+    real_model_gives_the_transformers_greedy_tokens(WeightDType::F32);
+}
+
+/// The test model's GGUF blocks (Q4_1, and Q8_0 for the tied embedding) kept as they are
+/// and dequantized in the shaders: the same weight values as the f32 run, in other
+/// summation orders.
+#[test]
+fn gguf_blocks_real_model_gives_the_transformers_greedy_tokens() {
+    real_model_gives_the_transformers_greedy_tokens(WeightDType::Auto);
+}
+
+fn real_model_gives_the_transformers_greedy_tokens(dtype: WeightDType) {
     let path = test_model_path().expect("the test model (INGOT_TEST_MODEL)");
-    let mut r = common::runner_on(gpu(), &path, WeightDType::F32, 256, 1, 2048, 2048 / 16);
+    let mut r = common::runner_on(gpu(), &path, dtype, 256, 1, 2048, 2048 / 16);
     let all = std::env::var_os("INGOT_WGPU_ALL_FIXTURES").is_some();
     let cases: Vec<_> = cases()
         .into_iter()

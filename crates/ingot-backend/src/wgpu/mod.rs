@@ -2,8 +2,9 @@
 //! elsewhere (and on Mesa's lavapipe, a CPU Vulkan, in CI).
 //!
 //! Activations run in f32 (the ops that bound a step read weights and the KV cache, which
-//! keep 16-bit formats); matrices are kept as f32, f16 or bf16 (GGUF blocks are converted
-//! to f16 at load); the KV cache may be f32, f16 or bf16. Ops are recorded, not run: each
+//! keep 16-bit formats); matrices are kept as f32, f16, bf16 or GGUF Q8_0, Q4_1 and Q4_K
+//! blocks that the shaders dequantize (other block formats are converted to f16 at load);
+//! the KV cache may be f32, f16 or bf16. Ops are recorded, not run: each
 //! adds a dispatch to the step's list, which goes to the GPU in compute passes of a few
 //! dozen dispatches as it grows, and at once when the host needs a result (a download, an
 //! upload that must not overtake the recorded ops, or a synchronize).
@@ -402,6 +403,34 @@ impl WgpuBackend {
     }
 }
 
+/// Bytes a buffer of `numel` elements of `dtype` takes on the device.
+fn stored_bytes(dtype: DType, numel: usize) -> usize {
+    match dtype {
+        DType::Q8_0 => numel.div_ceil(64) * 68,
+        _ => dtype.bytes_for(numel),
+    }
+}
+
+/// GGUF Q8_0 blocks (34 bytes: an f16 scale, 32 quants) regrouped in pairs of two blocks
+/// that start on 4-byte words: both scales, then both blocks' quants. An odd last block is
+/// paired with zeros.
+fn q8_0_pairs(blocks: &[u8]) -> Result<Vec<u8>> {
+    ensure!(
+        blocks.len().is_multiple_of(34),
+        "Q8_0 upload of {} bytes is not whole blocks",
+        blocks.len()
+    );
+    let mut out = Vec::with_capacity(blocks.len().div_ceil(68) * 68);
+    for pair in blocks.chunks(68) {
+        let (a, b) = pair.split_at(34);
+        out.extend_from_slice(&a[..2]);
+        out.extend_from_slice(b.get(..2).unwrap_or(&[0; 2]));
+        out.extend_from_slice(&a[2..]);
+        out.extend_from_slice(b.get(2..).unwrap_or(&[0; 32]));
+    }
+    Ok(out)
+}
+
 /// `groups` workgroups spread over x and y (a dimension holds at most 65535).
 fn grid(groups: usize) -> [u32; 3] {
     let groups = u32::try_from(groups).expect("dispatch too large");
@@ -429,10 +458,12 @@ impl Backend for WgpuBackend {
         DType::F32
     }
 
-    /// Matrices keep f32/f16/bf16; block-quantized ones become f16 at load.
+    /// Matrices keep f32/f16/bf16 and the GGUF blocks the shaders dequantize
+    /// ([`shader::BLOCKS`]); other block formats become f16 at load.
     fn weight_dtype(&self, stored: DType, _activation: DType) -> DType {
         match stored {
             DType::F32 | DType::F16 | DType::BF16 => stored,
+            q if shader::BLOCKS.contains(&q) => q,
             _ => DType::F16,
         }
     }
@@ -447,11 +478,11 @@ impl Backend for WgpuBackend {
 
     fn alloc(&self, dtype: DType, numel: usize) -> Result<WgpuBuffer> {
         ensure!(
-            !dtype.is_quantized(),
-            "the wgpu backend keeps no {dtype} buffers (quantized weights are converted at load)"
+            !dtype.is_quantized() || shader::BLOCKS.contains(&dtype),
+            "the wgpu backend keeps no {dtype} buffers (such weights are converted at load)"
         );
         // Whole 16-byte units, so that copies and 16-bit pairs never run past the end.
-        let size = (dtype.bytes_for(numel).max(1).div_ceil(16) * 16) as u64;
+        let size = (stored_bytes(dtype, numel).max(1).div_ceil(16) * 16) as u64;
         self.check_binding(size)?;
         let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: None,
@@ -464,6 +495,8 @@ impl Backend for WgpuBackend {
         Ok(WgpuBuffer { buf, dtype, numel })
     }
 
+    /// Q8_0 comes as GGUF blocks and is stored in pairs ([`q8_0_pairs`]); every other
+    /// dtype is stored as it comes.
     fn upload(&self, dst: &mut WgpuBuffer, bytes: &[u8]) -> Result<()> {
         let held = dst.dtype.bytes_for(dst.numel);
         ensure!(
@@ -471,6 +504,13 @@ impl Backend for WgpuBackend {
             "upload of {} bytes into a buffer of {held}",
             bytes.len()
         );
+        let paired;
+        let (bytes, held) = if dst.dtype == DType::Q8_0 {
+            paired = q8_0_pairs(bytes)?;
+            (&paired[..], stored_bytes(DType::Q8_0, dst.numel))
+        } else {
+            (bytes, held)
+        };
         // Queue writes run before the next submission: recorded ops must go first.
         self.flush()?;
         let whole = bytes.len() / 4 * 4;
@@ -1023,5 +1063,28 @@ impl Backend for WgpuBackend {
             &[(1, &x.buf), (2, &indices.buf), (3, &out.buf)],
             (n * dim).div_ceil(WG as usize),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_0_blocks_pair_up_scales_first_and_pad_an_odd_last_block() {
+        // Three blocks: scale bytes 10+b, quants 100+b.
+        let blocks: Vec<u8> = (0..3u8)
+            .flat_map(|b| [10 + b, 0].into_iter().chain([100 + b; 32]))
+            .collect();
+        let pairs = q8_0_pairs(&blocks).unwrap();
+        assert_eq!(pairs.len(), 2 * 68);
+        assert_eq!(pairs.len(), stored_bytes(DType::Q8_0, 3 * 32));
+        assert_eq!(&pairs[..4], &[10, 0, 11, 0]);
+        assert!(pairs[4..36].iter().all(|&q| q == 100));
+        assert!(pairs[36..68].iter().all(|&q| q == 101));
+        assert_eq!(&pairs[68..72], &[12, 0, 0, 0]);
+        assert!(pairs[72..104].iter().all(|&q| q == 102));
+        assert!(pairs[104..].iter().all(|&q| q == 0));
+        assert!(q8_0_pairs(&blocks[..40]).is_err());
     }
 }

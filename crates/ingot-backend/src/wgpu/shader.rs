@@ -2,6 +2,12 @@
 //! for the dtype of the buffers a kernel reads in more than one format (weights, the KV
 //! cache). WGSL has no preprocessor, so each source names accessors (`w_at(i)`,
 //! `kc_set2(i, a, b)`) and reductions (`wg_sum(v, lid)`) that are generated here.
+//!
+//! GGUF blocks are read as they are stored and dequantized in the accessors, so a
+//! quantized matrix takes its file size on the device and the kernels that read floats
+//! read it unchanged. Q4_1 (20-byte blocks) and Q4_K (144-byte super-blocks) are word
+//! aligned; Q8_0's 34-byte blocks are not, so the backend stores them in pairs, the two
+//! scales in one word and then the two blocks' quants (17 words for 64 elements).
 
 use crate::DType;
 
@@ -46,6 +52,16 @@ pub struct Kernel {
 }
 
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+/// The GGUF block formats the weight accessors dequantize.
+pub const BLOCKS: &[DType] = &[DType::Q8_0, DType::Q4_1, DType::Q4K];
+const WEIGHTS: &[DType] = &[
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q8_0,
+    DType::Q4_1,
+    DType::Q4K,
+];
 
 pub const EMBEDDING: Kernel = Kernel {
     file: "embedding",
@@ -58,7 +74,7 @@ pub const EMBEDDING: Kernel = Kernel {
         wide: None,
     }],
     reduces: false,
-    dtypes: FLOATS,
+    dtypes: WEIGHTS,
 };
 
 pub const NORM: Kernel = Kernel {
@@ -90,7 +106,7 @@ pub const MATMUL: Kernel = Kernel {
         wide: Some(6),
     }],
     reduces: false,
-    dtypes: FLOATS,
+    dtypes: WEIGHTS,
 };
 
 pub const ROPE: Kernel = Kernel {
@@ -179,6 +195,9 @@ pub fn source(kernel: &Kernel, dtype: DType, f: Features) -> String {
     if dtype == DType::BF16 && kernel.typed.iter().any(|t| t.access == Access::ReadWrite) {
         s += BF16_ROUND;
     }
+    if BLOCKS.contains(&dtype) {
+        s += BLOCK_HELPERS;
+    }
     if kernel.typed.iter().any(|t| t.wide.is_some()) {
         s += "struct W8 { lo: vec4<f32>, hi: vec4<f32> }\n";
         if dtype == DType::BF16 {
@@ -211,6 +230,9 @@ pub fn source(kernel: &Kernel, dtype: DType, f: Features) -> String {
 /// elements i and i + 1 with i even, where it is writable: 16-bit elements are written a
 /// whole 32-bit word at a time so that no two threads share a word).
 fn accessor(t: &Typed, dtype: DType, native_f16: bool) -> String {
+    if BLOCKS.contains(&dtype) {
+        return block_accessor(t, dtype);
+    }
     let (n, b) = (t.name, t.binding);
     let access = match t.access {
         Access::Read => "read",
@@ -280,6 +302,123 @@ fn accessor(t: &Typed, dtype: DType, native_f16: bool) -> String {
     }
     s
 }
+
+/// Declares read-only buffer `t` of GGUF blocks as words, its `_at(i) -> f32` reader and,
+/// where it is also bound wide, its `_at8(g) -> W8` reader (the wide binding is words too:
+/// a piece of 8 quants is 2 words in every format here).
+fn block_accessor(t: &Typed, dtype: DType) -> String {
+    assert_eq!(t.access, Access::Read, "{dtype} buffers are read-only");
+    let (at, at8) = match dtype {
+        DType::Q8_0 => (Q8_0_AT, Q8_0_AT8),
+        DType::Q4_1 => (Q4_1_AT, Q4_1_AT8),
+        DType::Q4K => (Q4K_AT, Q4K_AT8),
+        other => panic!("no {other} accessors"),
+    };
+    let (n, b) = (t.name, t.binding);
+    let mut s = format!("@group(0) @binding({b}) var<storage, read> {n}: array<u32>;\n");
+    s += &at.replace("$N", n).replace("$A", n);
+    if let Some(wb) = t.wide {
+        let wide = format!("{n}_wide");
+        s += &format!("@group(0) @binding({wb}) var<storage, read> {wide}: array<u32>;\n");
+        s += &at8.replace("$N", n).replace("$A", &wide);
+    }
+    s
+}
+
+/// Unpacking shared by the block accessors: four signed bytes, four low nibbles of bytes,
+/// and the 6-bit scale and min of K-quant sub-block j from its 12 packed scale bytes.
+const BLOCK_HELPERS: &str = "
+fn i8x4(u: u32) -> vec4<f32> {
+    return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(u << 24u, u << 16u, u << 8u, u)) >> vec4<u32>(24u));
+}
+fn u4x4(u: u32) -> vec4<f32> {
+    return vec4<f32>((vec4<u32>(u) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(15u));
+}
+fn k4_byte(s: vec3<u32>, k: u32) -> u32 {
+    return (s[k >> 2u] >> (8u * (k & 3u))) & 255u;
+}
+fn k4_scale_min(s: vec3<u32>, j: u32) -> vec2<f32> {
+    if (j < 4u) {
+        return vec2<f32>(f32(k4_byte(s, j) & 63u), f32(k4_byte(s, j + 4u) & 63u));
+    }
+    let hi = k4_byte(s, j + 4u);
+    return vec2<f32>(f32((hi & 15u) | ((k4_byte(s, j - 4u) >> 6u) << 4u)),
+                     f32((hi >> 4u) | ((k4_byte(s, j) >> 6u) << 4u)));
+}
+";
+
+// Q8_0 pairs: word 0 holds both blocks' f16 scales, words 1-8 and 9-16 their quants.
+const Q8_0_AT: &str = "
+fn $N_at(i: u32) -> f32 {
+    let b = i >> 5u;
+    let base = (b >> 1u) * 17u;
+    let qw = $A[base + 1u + ((b & 1u) << 3u) + ((i & 31u) >> 2u)];
+    let q = bitcast<i32>(qw << (24u - 8u * (i & 3u))) >> 24u;
+    return unpack2x16float($A[base])[b & 1u] * f32(q);
+}
+";
+const Q8_0_AT8: &str = "
+fn $N_at8(g: u32) -> W8 {
+    let b = g >> 2u;
+    let base = (b >> 1u) * 17u;
+    let d = unpack2x16float($A[base])[b & 1u];
+    let o = base + 1u + ((b & 1u) << 3u) + ((g & 3u) << 1u);
+    return W8(d * i8x4($A[o]), d * i8x4($A[o + 1u]));
+}
+";
+
+// Q4_1: word 0 holds the f16 scale and min, words 1-4 the 16 bytes whose low nibbles are
+// elements 0-15 and high nibbles 16-31.
+const Q4_1_AT: &str = "
+fn $N_at(i: u32) -> f32 {
+    let base = (i >> 5u) * 5u;
+    let j = i & 31u;
+    let dm = unpack2x16float($A[base]);
+    let qw = $A[base + 1u + ((j & 15u) >> 2u)];
+    let q = (qw >> (8u * (j & 3u) + 4u * (j >> 4u))) & 15u;
+    return dm.x * f32(q) + dm.y;
+}
+";
+const Q4_1_AT8: &str = "
+fn $N_at8(g: u32) -> W8 {
+    let base = (g >> 2u) * 5u;
+    let dm = unpack2x16float($A[base]);
+    let o = base + 1u + ((g & 1u) << 1u);
+    let s = 4u * ((g >> 1u) & 1u);
+    return W8(dm.x * u4x4($A[o] >> s) + dm.y, dm.x * u4x4($A[o + 1u] >> s) + dm.y);
+}
+";
+
+// Q4_K super-blocks of 256: word 0 the f16 scale and min scale, words 1-3 the packed
+// 6-bit scales and mins of 8 sub-blocks of 32, words 4-35 the quants: 64 elements per 32
+// bytes, sub-block 2c in the low nibbles of bytes 32c..32c+32, 2c + 1 in the high ones.
+const Q4K_AT: &str = "
+fn $N_at(i: u32) -> f32 {
+    let base = (i >> 8u) * 36u;
+    let e = i & 255u;
+    let c = e >> 6u;
+    let h = (e >> 5u) & 1u;
+    let l = e & 31u;
+    let dd = unpack2x16float($A[base]);
+    let sm = k4_scale_min(vec3<u32>($A[base + 1u], $A[base + 2u], $A[base + 3u]), 2u * c + h);
+    let q = ($A[base + 4u + 8u * c + (l >> 2u)] >> (8u * (l & 3u) + 4u * h)) & 15u;
+    return (dd.x * sm.x) * f32(q) - dd.y * sm.y;
+}
+";
+const Q4K_AT8: &str = "
+fn $N_at8(g: u32) -> W8 {
+    let base = (g >> 5u) * 36u;
+    let p = g & 31u;
+    let c = p >> 3u;
+    let h = (p >> 2u) & 1u;
+    let dd = unpack2x16float($A[base]);
+    let sm = k4_scale_min(vec3<u32>($A[base + 1u], $A[base + 2u], $A[base + 3u]), 2u * c + h);
+    let d = dd.x * sm.x;
+    let m = dd.y * sm.y;
+    let o = base + 4u + 8u * c + 2u * (p & 3u);
+    return W8(d * u4x4($A[o] >> (4u * h)) - m, d * u4x4($A[o + 1u] >> (4u * h)) - m);
+}
+";
 
 /// f32 to bf16 bits, rounded to nearest even (NaN stays NaN).
 const BF16_ROUND: &str = "

@@ -11,6 +11,8 @@
 
 use half::{bf16, f16};
 use ingot_backend::cpu::CpuBackend;
+use ingot_backend::quant::dequantize_row;
+use ingot_backend::quant::testing::random_quant_row;
 use ingot_backend::{
     AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
 };
@@ -69,6 +71,33 @@ fn bytes(v: &[f32], dtype: DType) -> Vec<u8> {
     }
 }
 
+/// A random `[rows, k]` matrix in `dtype` as uploaded and as f32 values: floats of about
+/// 1/√k rounded to the dtype, or random GGUF blocks and their dequantization. `None` where
+/// `k` is not whole blocks of the dtype.
+fn matrix(rng: &mut StdRng, dtype: DType, rows: usize, k: usize) -> Option<(Vec<u8>, Vec<f32>)> {
+    if !k.is_multiple_of(dtype.block_len()) {
+        return None;
+    }
+    if dtype.is_quantized() {
+        let data = random_quant_row(dtype, rows * k, rng);
+        let mut values = vec![0.0; rows * k];
+        dequantize_row(dtype, &data, &mut values);
+        return Some((data, values));
+    }
+    let w: Vec<f32> = randn(rng, rows * k)
+        .iter()
+        .map(|v| v / (k as f32).sqrt())
+        .collect();
+    let w = round(&w, dtype);
+    Some((bytes(&w, dtype), w))
+}
+
+fn up_raw<B: Backend>(b: &B, data: &[u8], dtype: DType, numel: usize) -> B::Buffer {
+    let mut buf = b.alloc(dtype, numel).unwrap();
+    b.upload(&mut buf, data).unwrap();
+    buf
+}
+
 fn up<B: Backend>(b: &B, v: &[f32], dtype: DType) -> B::Buffer {
     let mut buf = b.alloc(dtype, v.len().max(1)).unwrap();
     b.upload(&mut buf, &bytes(v, dtype)).unwrap();
@@ -118,16 +147,18 @@ pub fn row_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(1);
     for &dtype in d.activations {
-        for (dim, wd) in [64, 67, 576]
+        for (dim, wd) in [64, 67, 512, 576]
             .into_iter()
             .flat_map(|dim| (d.weights)(dtype).into_iter().map(move |w| (dim, w)))
         {
             let vocab = 37;
-            let table = round(&randn(&mut rng, vocab * dim), wd);
+            let Some((data, table)) = matrix(&mut rng, wd, vocab, dim) else {
+                continue;
+            };
             let ids: Vec<i32> = (0..9).map(|_| rng.random_range(0..vocab as i32)).collect();
             let mut out = poisoned(g, dtype, ids.len() * dim);
             g.embedding(
-                &up(g, &table, wd),
+                &up_raw(g, &data, wd, vocab * dim),
                 &up_i32(g, &ids),
                 ids.len(),
                 dim,
@@ -491,6 +522,9 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
         (3, 100, 33),
         (7, 512, 576),
         (1, 45, 2056),
+        (1, 45, 256),
+        (9, 130, 768),
+        (70, 33, 512),
         (8, 9, 1032),
         (13, 70, 264),
         (64, 256, 128),
@@ -508,18 +542,16 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
             for (m, n, k) in shapes {
                 for (bias, col) in [(false, 0), (true, 3)] {
                     let x = round(&randn(&mut rng, m * k), dtype);
-                    let w: Vec<f32> = randn(&mut rng, n * k)
-                        .iter()
-                        .map(|v| v / (k as f32).sqrt())
-                        .collect();
-                    let w = round(&w, wd);
+                    let Some((wdata, w)) = matrix(&mut rng, wd, n, k) else {
+                        continue;
+                    };
                     let b = randn(&mut rng, n);
                     let ld = n + 2 * col;
                     let mut out = poisoned(g, out_dtype, m * ld);
                     let gb = up(g, &b, DType::F32);
                     g.matmul(
                         &up(g, &x, dtype),
-                        &up(g, &w, wd),
+                        &up_raw(g, &wdata, wd, n * k),
                         bias.then_some(&gb),
                         m,
                         n,
@@ -574,6 +606,7 @@ pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (2, 131, 200),
             (4, 4096, 1408),
             (7, 33, 96),
+            (3, 50, 512),
             (19, 70, 130),
         ];
         for ((m, n, ffn), wd) in shapes
@@ -581,17 +614,15 @@ pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             .flat_map(|s| (d.weights)(dtype).into_iter().map(move |w| (s, w)))
         {
             let gu = round(&randn(&mut rng, m * 2 * ffn), dtype);
-            let w: Vec<f32> = randn(&mut rng, n * ffn)
-                .iter()
-                .map(|v| v / (ffn as f32).sqrt())
-                .collect();
-            let w = round(&w, wd);
+            let Some((wdata, w)) = matrix(&mut rng, wd, n, ffn) else {
+                continue;
+            };
             let mut out = poisoned(g, dtype, m * n);
             let mut act = poisoned(g, dtype, m * ffn);
             g.silu_mul_matmul(
                 &up(g, &gu, dtype),
                 &mut act,
-                &up(g, &w, wd),
+                &up_raw(g, &wdata, wd, n * ffn),
                 m,
                 n,
                 ffn,
