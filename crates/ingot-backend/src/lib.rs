@@ -175,13 +175,16 @@ pub trait Backend: Send + Sync {
     /// Copies `n` i32 values back to the host.
     fn download_i32(&self, src: &Self::Buffer, n: usize) -> anyhow::Result<Vec<i32>>;
 
-    /// `out[i] = table[ids[i]]` (rows of `dim`, dequantized to f32).
+    /// `out[i] = table[ids[i] - vocab_rows.start]` (rows of `dim`, dequantized) for the
+    /// ids in `vocab_rows`, the rows of the vocabulary `table` holds; the other rows of `out`
+    /// are left as they are, so a table split over several buffers fills `out` part by part.
     fn embedding(
         &self,
         table: &Self::Buffer,
         ids: &Self::Buffer,
         n: usize,
         dim: usize,
+        vocab_rows: std::ops::Range<usize>,
         out: &mut Self::Buffer,
     );
 

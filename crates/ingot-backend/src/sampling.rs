@@ -78,6 +78,28 @@ fn mass(prob: f32) -> u64 {
     (prob * MASS_SCALE) as u64
 }
 
+/// `floor(total × frac)` for `frac` in [0, 1], exact: the top-p and draw targets, in
+/// integer arithmetic that a GPU without 64-bit floats does the same way.
+pub fn scaled(total: u64, frac: f32) -> u64 {
+    if frac >= 1.0 {
+        return total;
+    }
+    if frac.is_nan() || frac <= 0.0 {
+        return 0;
+    }
+    // frac = m · 2^-shift with m < 2^24; shift ≥ 24 below 1.
+    let bits = frac.to_bits();
+    let e = bits >> 23;
+    let (m, shift) = if e == 0 {
+        (bits & 0x7f_ffff, 149)
+    } else {
+        ((bits & 0x7f_ffff) | 0x80_0000, 150 - e)
+    };
+    (u128::from(total) * u128::from(m))
+        .checked_shr(shift)
+        .map_or(0, |v| v as u64)
+}
+
 /// Applies `edits` to `logits` and picks the row's token. A draw leaves `logits` holding
 /// the probabilities relative to the most likely token, `exp((x - max) / temperature)`,
 /// which its thresholds and masses are computed from.
@@ -108,7 +130,7 @@ pub fn sample_row(logits: &mut [f32], row: &SampleRow, edits: &[LogitEdit]) -> u
     let mut threshold = kth;
     if row.top_p < 1.0 {
         let total: u64 = probs.iter().map(|&p| mass(p)).sum();
-        let target = ((row.top_p as f64 * total as f64) as u64).max(1);
+        let target = scaled(total, row.top_p).max(1);
         let mut by_key: Vec<(u32, u64)> = probs
             .iter()
             .map(|&p| (order_key(p), mass(p)))
@@ -130,7 +152,7 @@ pub fn sample_row(logits: &mut [f32], row: &SampleRow, edits: &[LogitEdit]) -> u
         // Every token masked: nothing to draw from.
         return best;
     }
-    let target = ((row.uniform as f64 * total as f64) as u64).min(total - 1);
+    let target = scaled(total, row.uniform).min(total - 1);
     let mut acc = 0;
     for (i, &p) in probs.iter().enumerate() {
         if kept(p) {
@@ -153,6 +175,21 @@ mod tests {
             top_p: 1.0,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn scaled_is_the_exact_floor_of_the_product() {
+        let total = (1u64 << 57) + 12_345_678_901;
+        for frac in [1e-10, 2f32.powi(-24), 0.3, 0.5, 0.9, 0.999_999_9] {
+            // These fractions times 2^64 are integers, and total times those fits a u128.
+            let exact = (u128::from(total) * (f64::from(frac) * 2f64.powi(64)) as u128) >> 64;
+            assert_eq!(u128::from(scaled(total, frac)), exact, "{frac}");
+        }
+        assert_eq!(scaled(total, 1e-30), 0);
+        assert_eq!(scaled(total, 1e-45), 0);
+        assert_eq!(scaled(total, 0.0), 0);
+        assert_eq!(scaled(total, 1.0), total);
+        assert_eq!(scaled(7, 0.5), 3);
     }
 
     #[test]

@@ -234,7 +234,14 @@ fn embedding_gathers_and_dequantizes_rows() {
         b.upload(&mut table, &wb).unwrap();
         let ids = [3, 0, 10, 3, 7];
         let mut out = b.alloc(DType::F32, ids.len() * dim).unwrap();
-        b.embedding(&table, &i32_buf(&b, &ids), ids.len(), dim, &mut out);
+        b.embedding(
+            &table,
+            &i32_buf(&b, &ids),
+            ids.len(),
+            dim,
+            0..vocab,
+            &mut out,
+        );
         let want: Vec<f32> = ids
             .iter()
             .flat_map(|&i| wf[i as usize * dim..][..dim].to_vec())

@@ -25,6 +25,7 @@ fn backends() -> Vec<WgpuBackend> {
         Options {
             shader_f16: false,
             subgroup: false,
+            max_binding: None,
         },
     ]
     .into_iter()

@@ -77,3 +77,59 @@ fn real_model_gives_the_transformers_greedy_tokens(dtype: WeightDType) {
 fn cpu_and_wgpu_engines_agree() {
     common::cpu_engine_agrees_in_f32(gpu());
 }
+
+/// Sampling in the `sample` shader on a real model (three prompts: lavapipe is slow).
+#[test]
+fn seeded_sampling_on_the_device() {
+    common::seeded_sampling_on_the_device(gpu(), 3);
+}
+
+/// A device whose buffers hold 384 KiB: the embedding table, the output projection and the
+/// MLP matrices of this synthetic model go in several buffers each (rows split over
+/// parts), and its logits still match the CPU's.
+#[test]
+fn matrices_split_over_buffers_match_the_cpu() {
+    use ingot_model::synthetic::SyntheticSpec;
+    use ingot_model::Arch;
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let spec = SyntheticSpec {
+            vocab_size: 4099,
+            intermediate_size: 1600,
+            ..SyntheticSpec::tiny(arch)
+        };
+        let dir =
+            std::env::temp_dir().join(format!("ingot-wgpu-split-{arch:?}-{}", std::process::id()));
+        spec.write(&dir).unwrap();
+        let small = Options {
+            max_binding: Some(384 << 10),
+            ..Options::default()
+        };
+        let g = WgpuBackend::new(0, small).unwrap();
+        let seqs: Vec<Vec<u32>> = [1u32, 15, 40, 150]
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 37 + n) % 4099).collect())
+            .collect();
+        let mut cpu = common::runner(&dir, WeightDType::Auto, 24, 4, 512, 64);
+        let mut gpu = common::runner_on(g, &dir, WeightDType::Auto, 24, 4, 512, 64);
+        let embed_parts = gpu.model.weights.embed.parts.len();
+        assert!(
+            embed_parts >= 3,
+            "{arch:?}: embedding in {embed_parts} parts"
+        );
+        let layer = &gpu.model.weights.layers[0];
+        assert!(layer.gate_up.parts.len() >= 3 && layer.down.parts.len() >= 2);
+        let want = common::run_mixed(&mut cpu, &seqs, 11);
+        let got = common::run_mixed(&mut gpu, &seqs, 11);
+        assert_eq!(got.len(), want.len());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| common::rel_err(&g.logits, &w.logits))
+            .fold(0f32, f32::max);
+        println!(
+            "{arch:?}: embedding in {embed_parts} parts, max relative logit error {worst:.2e}"
+        );
+        assert!(worst <= 1e-4, "{arch:?}: relative logit error {worst}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

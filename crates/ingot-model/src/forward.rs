@@ -3,7 +3,7 @@
 use crate::config::ModelConfig;
 use crate::weights::Weights;
 use anyhow::Result;
-use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
+use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, QkvLayout};
 
 /// The per-step inputs on the device. Sequence `s` owns token rows
 /// `query_start_loc[s]..query_start_loc[s+1]`; `logits_indices` picks the rows whose next
@@ -197,7 +197,7 @@ impl<B: Backend> Model<B> {
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
         let a = acts;
         let eps = cfg.rms_norm_eps;
-        b.embedding(&w.embed, &step.token_ids, t, d, &mut a.hidden);
+        w.embed.lookup(b, &step.token_ids, t, &mut a.hidden);
         b.rms_norm(&a.hidden, &w.layers[0].attn_norm, eps, t, d, &mut a.normed);
         for (i, (layer, (kc, vc))) in w.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             layer.qkv.forward(b, &a.normed, t, &mut a.qkv);
@@ -254,16 +254,9 @@ impl<B: Backend> Model<B> {
             d,
             &mut a.last_normed,
         );
-        match &w.lm_head {
-            Some(head) => head.forward(b, &a.last_normed, n, &mut a.logits),
-            None => {
-                let out = MatmulOut {
-                    buf: &mut a.logits,
-                    row_stride: cfg.vocab_size,
-                    col_offset: 0,
-                };
-                b.matmul(&a.last_normed, &w.embed, None, n, cfg.vocab_size, d, out);
-            }
-        }
+        w.lm_head
+            .as_ref()
+            .unwrap_or(&w.embed)
+            .forward(b, &a.last_normed, n, &mut a.logits);
     }
 }

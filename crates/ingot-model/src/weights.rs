@@ -48,6 +48,10 @@ impl FromStr for WeightDType {
     }
 }
 
+/// Bytes of a backend's largest buffer left unused by the parts of a split matrix: room for
+/// a backend's own block layout and padding (wgpu regroups Q8_0 blocks in pairs).
+const PART_HEADROOM: usize = 256;
+
 /// One stored matrix of a linear layer: `rows` output features, optional bias.
 pub struct LinearPart<B: Backend> {
     pub weight: B::Buffer,
@@ -86,6 +90,22 @@ impl<B: Backend> Linear<B> {
                 dst,
             );
             col += p.rows;
+        }
+    }
+
+    /// `out[i] = W[ids[i]]`: the matrix read as an embedding table, part by part.
+    pub fn lookup(&self, b: &B, ids: &B::Buffer, n: usize, out: &mut B::Buffer) {
+        let mut first = 0;
+        for p in &self.parts {
+            b.embedding(
+                &p.weight,
+                ids,
+                n,
+                self.in_features,
+                first..first + p.rows,
+                out,
+            );
+            first += p.rows;
         }
     }
 
@@ -132,8 +152,8 @@ pub struct Weights<B: Backend> {
     pub activation_dtype: DType,
     /// The dtype the layers' matrices are kept in (the first query projection's).
     pub matrix_dtype: DType,
-    pub embed: B::Buffer,
-    pub embed_dtype: DType,
+    /// The embedding table (also the output projection where the two are tied).
+    pub embed: Linear<B>,
     pub layers: Vec<LayerWeights<B>>,
     pub final_norm: B::Buffer,
     /// `None` when the output projection is tied to the embedding.
@@ -273,13 +293,41 @@ impl<'a, B: Backend> Loader<'a, B> {
                 _ => pending.push((dtype, data, rows, bias)),
             }
         }
+        // A stack larger than the backend's largest buffer goes in several, by rows.
+        let max = self.b.max_buffer_bytes();
         for (dtype, data, rows, bias) in pending {
-            let weight = self.upload(dtype, rows * in_features, &data)?;
-            let bias = match bias {
-                Some(b) => Some(self.upload(DType::F32, rows, bytemuck::cast_slice(&b))?),
-                None => None,
+            let row_bytes = dtype.bytes_for(in_features);
+            let per_part = match max {
+                Some(max) => {
+                    let n = max.saturating_sub(PART_HEADROOM) / row_bytes;
+                    ensure!(
+                        n > 0,
+                        "{what}: a row of {row_bytes} bytes does not fit this backend's largest \
+                         buffer of {max} bytes"
+                    );
+                    n.min(rows)
+                }
+                None => rows,
             };
-            parts.push(LinearPart { weight, rows, bias });
+            if per_part < rows {
+                tracing::debug!("{what}: {rows} rows in parts of {per_part}");
+            }
+            for r0 in (0..rows).step_by(per_part) {
+                let r1 = (r0 + per_part).min(rows);
+                let bytes = &data[r0 * row_bytes..r1 * row_bytes];
+                let weight = self.upload(dtype, (r1 - r0) * in_features, bytes)?;
+                let bias = match &bias {
+                    Some(b) => {
+                        Some(self.upload(DType::F32, r1 - r0, bytemuck::cast_slice(&b[r0..r1]))?)
+                    }
+                    None => None,
+                };
+                parts.push(LinearPart {
+                    weight,
+                    rows: r1 - r0,
+                    bias,
+                });
+            }
         }
         Ok(Linear { parts, in_features })
     }
@@ -318,12 +366,7 @@ impl<B: Backend> Weights<B> {
             cfg.vocab_size,
             embed_t.shape
         );
-        let embed_dtype = l.matrix_dtype(&embed_t);
-        let embed = {
-            let data = convert(&embed_t, embed_dtype);
-            l.ckpt.release(&embed_t);
-            l.upload(embed_dtype, cfg.vocab_size * d, &data)?
-        };
+        let embed = l.linear(vec![(embed_t, None, cfg.vocab_size)], d, "embedding")?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let what = |s: &str| format!("layer {i} {s}");
@@ -400,7 +443,6 @@ impl<B: Backend> Weights<B> {
             activation_dtype: activation,
             matrix_dtype: kept,
             embed,
-            embed_dtype,
             layers,
             final_norm,
             lm_head,

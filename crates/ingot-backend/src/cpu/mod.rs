@@ -18,6 +18,7 @@ use crate::{
     AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
 };
 use half::slice::HalfFloatSliceExt;
+use std::ops::Range;
 use std::sync::Mutex;
 
 /// A raw pointer that parallel tasks may share because each writes a disjoint part.
@@ -171,21 +172,26 @@ impl Backend for CpuBackend {
         ids: &CpuBuffer,
         n: usize,
         dim: usize,
+        vocab_rows: Range<usize>,
         out: &mut CpuBuffer,
     ) {
         let _t = self.profile.time(|| "embedding".into());
         let rb = table.row_bytes(dim);
         let bytes = table.bytes();
-        let vocab = bytes.len() / rb;
+        assert!(
+            vocab_rows.len() * rb <= bytes.len(),
+            "embedding table of {} bytes holds fewer than {} rows",
+            bytes.len(),
+            vocab_rows.len()
+        );
         let ids = &ids.i32()[..n];
         self.team
             .chunks_mut(&mut out.f32_mut()[..n * dim], dim, |i, o| {
                 let id = ids[i] as usize;
-                assert!(
-                    id < vocab,
-                    "token id {id} outside the vocabulary of {vocab}"
-                );
-                dequantize_row(table.dtype(), &bytes[id * rb..(id + 1) * rb], o);
+                if vocab_rows.contains(&id) {
+                    let r = id - vocab_rows.start;
+                    dequantize_row(table.dtype(), &bytes[r * rb..(r + 1) * rb], o);
+                }
             });
     }
 

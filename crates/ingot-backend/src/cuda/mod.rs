@@ -513,11 +513,17 @@ impl Backend for CudaBackend {
         ids: &CudaBuffer,
         n: usize,
         dim: usize,
+        vocab_rows: std::ops::Range<usize>,
         out: &mut CudaBuffer,
     ) {
         assert_eq!(table.dtype, out.dtype, "embedding table and output dtypes");
+        assert!(
+            vocab_rows.len() * dim <= table.numel,
+            "embedding table too small"
+        );
         let (t, i, d, o) = (table.ptr, ids.ptr, dim as i32, out.ptr);
-        launch!(self, format!("embedding_{}", suffix(out.dtype)), (n as u32, 1, 1), row_threads(dim).min(256); t, i, d, o);
+        let (first, rows) = (vocab_rows.start as i32, vocab_rows.len() as i32);
+        launch!(self, format!("embedding_{}", suffix(out.dtype)), (n as u32, 1, 1), row_threads(dim).min(256); t, i, first, rows, d, o);
     }
 
     fn rms_norm(

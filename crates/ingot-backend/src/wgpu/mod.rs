@@ -12,7 +12,6 @@
 mod recorder;
 pub mod shader;
 
-use crate::sampling::{sample_row, LogitEdit, SampleRow};
 use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use recorder::Recorder;
@@ -44,6 +43,10 @@ const GRID_X: u32 = 32768;
 pub struct Options {
     pub shader_f16: bool,
     pub subgroup: bool,
+    /// A lower storage-binding limit than the adapter's, in bytes
+    /// (`INGOT_WGPU_MAX_BINDING`): to see how a model splits, or fits, on a device with a
+    /// smaller one.
+    pub max_binding: Option<u64>,
 }
 
 impl Default for Options {
@@ -51,6 +54,7 @@ impl Default for Options {
         Options {
             shader_f16: true,
             subgroup: true,
+            max_binding: None,
         }
     }
 }
@@ -69,6 +73,12 @@ impl Options {
                     ),
                 }
             }
+        }
+        if let Ok(v) = std::env::var("INGOT_WGPU_MAX_BINDING") {
+            let bytes = v.trim().parse::<u64>().ok().filter(|&b| b > 0);
+            o.max_binding = Some(bytes.with_context(|| {
+                format!("INGOT_WGPU_MAX_BINDING: `{v}` is not a positive number of bytes")
+            })?);
         }
         Ok(o)
     }
@@ -154,7 +164,7 @@ impl WgpuBackend {
             wgpu::Features::TIMESTAMP_QUERY,
             offered.contains(wgpu::Features::TIMESTAMP_QUERY),
         );
-        let limits = adapter.limits();
+        let mut limits = adapter.limits();
         ensure!(
             adapter
                 .get_downlevel_capabilities()
@@ -177,6 +187,10 @@ impl WgpuBackend {
             ..Default::default()
         }))
         .with_context(|| format!("opening wgpu adapter {}", info.name))?;
+        if let Some(max) = options.max_binding {
+            limits.max_storage_buffer_binding_size =
+                limits.max_storage_buffer_binding_size.min(max);
+        }
         let name = format!(
             "wgpu {} ({:?}, {:?})",
             info.name, info.backend, info.device_type
@@ -591,14 +605,19 @@ impl Backend for WgpuBackend {
         ids: &WgpuBuffer,
         n: usize,
         dim: usize,
+        vocab_rows: std::ops::Range<usize>,
         out: &mut WgpuBuffer,
     ) {
         assert_eq!(out.dtype, DType::F32);
+        assert!(
+            vocab_rows.len() * dim <= table.numel,
+            "embedding table too small"
+        );
         self.dispatch(
             &shader::EMBEDDING,
             "embedding",
             table.dtype,
-            &words(&[n, dim]),
+            &words(&[n, dim, vocab_rows.start, vocab_rows.len()]),
             &[(1, &table.buf), (2, &ids.buf), (3, &out.buf)],
             (n * dim).div_ceil(WG as usize),
         );
@@ -999,7 +1018,7 @@ impl Backend for WgpuBackend {
 
     fn argmax(&self, logits: &WgpuBuffer, rows: usize, vocab: usize, out: &mut WgpuBuffer) {
         self.dispatch(
-            &shader::ARGMAX,
+            &shader::SAMPLING,
             "argmax",
             DType::F32,
             &words(&[rows, vocab]),
@@ -1008,9 +1027,8 @@ impl Backend for WgpuBackend {
         );
     }
 
-    /// Sampling runs on the host for now: the rows' logits, parameters and edits are read
-    /// back, [`sample_row`] picks, and the ids and edited logits go back to the device.
-    /// The engine therefore samples on the host itself ([`Backend::samples_on_device`]).
+    /// One workgroup per row (`sample` in sampling.wgsl); the row's bins sum 11-bit parts
+    /// of its masses in 32 bits, which holds for vocabularies below 2^21.
     fn sample(
         &self,
         logits: &mut WgpuBuffer,
@@ -1020,31 +1038,24 @@ impl Backend for WgpuBackend {
         edits: &WgpuBuffer,
         out: &mut WgpuBuffer,
     ) {
-        let mut run = || -> Result<()> {
-            let params: Vec<SampleRow> = bytemuck::pod_collect_to_vec(
-                &self.read_bytes(&params.buf, rows * size_of::<SampleRow>())?,
-            );
-            let n_edits = params
-                .iter()
-                .map(|p| p.edit_end as usize)
-                .max()
-                .unwrap_or(0);
-            let edits: Vec<LogitEdit> = bytemuck::pod_collect_to_vec(
-                &self.read_bytes(&edits.buf, n_edits * size_of::<LogitEdit>())?,
-            );
-            let mut l = self.download_f32(logits, rows * vocab)?;
-            let ids: Vec<i32> = l
-                .chunks_mut(vocab)
-                .zip(&params)
-                .map(|(row, p)| {
-                    let e = &edits[p.edit_start as usize..p.edit_end as usize];
-                    sample_row(row, p, e) as i32
-                })
-                .collect();
-            self.upload(logits, bytemuck::cast_slice(&l))?;
-            self.upload(out, bytemuck::cast_slice(&ids))
-        };
-        run().expect("wgpu sampling on the host");
+        assert!(vocab < 1 << 21, "sampling over a vocabulary of {vocab}");
+        self.dispatch(
+            &shader::SAMPLING,
+            "sample",
+            DType::F32,
+            &words(&[rows, vocab]),
+            &[
+                (1, &logits.buf),
+                (2, &out.buf),
+                (3, &params.buf),
+                (4, &edits.buf),
+            ],
+            rows,
+        );
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
     }
 
     fn gather_rows(

@@ -153,10 +153,10 @@ pub const ATTENTION: Kernel = Kernel {
     dtypes: FLOATS,
 };
 
-pub const ARGMAX: Kernel = Kernel {
-    file: "argmax",
-    entries: &["argmax"],
-    source: include_str!("kernels/argmax.wgsl"),
+pub const SAMPLING: Kernel = Kernel {
+    file: "sampling",
+    entries: &["argmax", "sample"],
+    source: include_str!("kernels/sampling.wgsl"),
     typed: &[],
     reduces: false,
     dtypes: &[DType::F32],
@@ -169,7 +169,7 @@ pub const KERNELS: &[&Kernel] = &[
     &MATMUL,
     &ROPE,
     &ATTENTION,
-    &ARGMAX,
+    &SAMPLING,
 ];
 
 /// Threads per workgroup of every kernel.

@@ -156,28 +156,48 @@ pub fn row_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                 continue;
             };
             let ids: Vec<i32> = (0..9).map(|_| rng.random_range(0..vocab as i32)).collect();
-            let mut out = poisoned(g, dtype, ids.len() * dim);
+            let n = ids.len() * dim;
+            let gids = up_i32(g, &ids);
+            let mut out = poisoned(g, dtype, n);
             g.embedding(
                 &up_raw(g, &data, wd, vocab * dim),
-                &up_i32(g, &ids),
+                &gids,
                 ids.len(),
                 dim,
+                0..vocab,
                 &mut out,
             );
-            let mut want = c.alloc(DType::F32, ids.len() * dim).unwrap();
+            // The table in two buffers (rows 0..split and split..vocab), each filling the
+            // rows whose ids it holds.
+            let split = 20;
+            let row_bytes = data.len() / vocab;
+            let mut parts_out = poisoned(g, dtype, n);
+            for rows in [0..split, split..vocab] {
+                let part = &data[rows.start * row_bytes..rows.end * row_bytes];
+                let buf = up_raw(g, part, wd, rows.len() * dim);
+                g.embedding(&buf, &gids, ids.len(), dim, rows, &mut parts_out);
+            }
+            let mut want = c.alloc(DType::F32, n).unwrap();
             c.embedding(
                 &up(&c, &table, DType::F32),
                 &up_i32(&c, &ids),
                 ids.len(),
                 dim,
+                0..vocab,
                 &mut want,
             );
-            let n = ids.len() * dim;
+            let want = c.download_f32(&want, n).unwrap();
             check(
                 &g.download_f32(&out, n).unwrap(),
-                &c.download_f32(&want, n).unwrap(),
+                &want,
                 dtype,
                 &format!("embedding {wd}->{dtype} dim {dim}"),
+            );
+            check(
+                &g.download_f32(&parts_out, n).unwrap(),
+                &want,
+                dtype,
+                &format!("embedding {wd}->{dtype} dim {dim}, table in two parts"),
             );
         }
         for (rows, dim) in [

@@ -331,3 +331,81 @@ pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
         assert_eq!(g.completions[0].text, w.completions[0].text);
     }
 }
+
+/// Sampling on `backend`'s device for the first `prompts` fixtures: a seed repeats its
+/// tokens and another seed changes them, top-k 1 is greedy, and a logit bias reaches the
+/// kernel.
+pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: usize) {
+    use ingot_core::SamplingParams;
+    use ingot_engine::{Engine, EngineConfig};
+    use std::sync::Arc;
+    assert!(
+        backend.samples_on_device(),
+        "{} samples on the host",
+        backend.name()
+    );
+    let path = ingot_model::testing::test_model_path().expect("the test model (INGOT_TEST_MODEL)");
+    let (m, t) = ingot_model::load(&backend, &path, WeightDType::F32).unwrap();
+    let config = EngineConfig {
+        max_num_seqs: 16,
+        max_model_len: Some(1024),
+        kv_cache_memory: Some(256 << 20),
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(backend, m, Arc::new(t), config).unwrap();
+    let ps: Vec<Vec<u32>> = cases()
+        .iter()
+        .take(prompts)
+        .map(|c| c.prompt.clone())
+        .collect();
+    let run = |e: &mut Engine<B>, params: SamplingParams| -> Vec<Vec<u32>> {
+        e.generate(ps.clone(), &vec![params; ps.len()])
+            .unwrap()
+            .into_iter()
+            .map(|o| o.completions[0].token_ids.clone())
+            .collect()
+    };
+    let seeded = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        min_p: 0.02,
+        repetition_penalty: 1.1,
+        seed: Some(seed),
+        ignore_eos: true,
+        max_tokens: 24,
+        ..SamplingParams::default()
+    };
+    let a = run(&mut e, seeded(1));
+    assert_eq!(a, run(&mut e, seeded(1)), "a seed repeats");
+    assert_ne!(a, run(&mut e, seeded(2)), "another seed differs");
+    let greedy = run(
+        &mut e,
+        SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(16)
+        },
+    );
+    let top1 = run(
+        &mut e,
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            seed: Some(3),
+            ignore_eos: true,
+            max_tokens: 16,
+            ..SamplingParams::default()
+        },
+    );
+    assert_eq!(top1, greedy, "top_k 1 is greedy");
+    let forced = run(
+        &mut e,
+        SamplingParams {
+            temperature: 1.0,
+            logit_bias: [(42, 100.0)].into(),
+            ignore_eos: true,
+            max_tokens: 5,
+            ..SamplingParams::default()
+        },
+    );
+    assert!(forced.iter().all(|t| t == &[42; 5]), "{forced:?}");
+}

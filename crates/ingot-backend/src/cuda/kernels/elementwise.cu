@@ -2,10 +2,14 @@
 // activation type T and computes in f32; rounding to T happens where HF transformers
 // rounds (after the normalization, before the norm weight), so bf16 runs track it.
 
+// Rows whose id is outside first..first + rows (the part of the vocabulary `table` holds)
+// are left as they are.
 template <typename T>
-__device__ void embedding(const T* table, const int* ids, int dim, T* out) {
+__device__ void embedding(const T* table, const int* ids, int first, int rows, int dim, T* out) {
     const long long row = blockIdx.x;
-    const T* src = table + (long long)ids[row] * dim;
+    const int id = ids[row] - first;
+    if (id < 0 || id >= rows) return;
+    const T* src = table + (long long)id * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = src[i];
 }
 
@@ -139,8 +143,9 @@ __device__ void bias_add(T* out, const float* bias, int n, long long ld) {
 }
 
 #define ELEMENTWISE(T, S)                                                                          \
-    extern "C" __global__ void embedding_##S(const T* t, const int* ids, int dim, T* out) {        \
-        embedding<T>(t, ids, dim, out);                                                            \
+    extern "C" __global__ void embedding_##S(const T* t, const int* ids, int first, int rows,     \
+                                             int dim, T* out) {                                    \
+        embedding<T>(t, ids, first, rows, dim, out);                                               \
     }                                                                                              \
     extern "C" __global__ void rms_norm_##S(const T* x, const float* w, float eps, int dim,        \
                                             T* out) {                                              \

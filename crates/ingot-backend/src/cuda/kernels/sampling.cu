@@ -108,6 +108,21 @@ __device__ __forceinline__ u32 order_key(float x) {
 // and their mass in 2^-40 units stays below 2^41.
 __device__ __forceinline__ u64 mass_of(float prob) { return (u64)(prob * MASS_SCALE); }
 
+// floor(total * frac) for frac in [0, 1], exact (crate::sampling::scaled): frac = m 2^-shift
+// with m < 2^24, and the 128-bit product shifted down.
+__device__ __forceinline__ u64 scaled(u64 total, float frac) {
+    if (frac >= 1.0f) return total;
+    if (!(frac > 0.0f)) return 0;
+    const u32 bits = __float_as_uint(frac);
+    const u32 e = bits >> 23;
+    const u64 m = e == 0 ? (bits & 0x7fffffu) : ((bits & 0x7fffffu) | 0x800000u);
+    const u32 shift = e == 0 ? 149 : 150 - e;
+    const u64 lo = total * m, hi = __umul64hi(total, m);
+    if (shift >= 128) return 0;
+    if (shift >= 64) return hi >> (shift - 64);
+    return (lo >> shift) | (hi << (64 - shift));
+}
+
 __device__ __forceinline__ u64 warp_sum_u64(u64 v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -236,7 +251,7 @@ extern "C" __global__ void sample_rows(float* logits, int vocab, const SampleRow
         });
         total = block_sum_u64(total, scratch);
         kept = block_sum_u64(kept, scratch);
-        u64 target = (u64)((double)p.top_p * (double)total);
+        u64 target = scaled(total, p.top_p);
         if (target < 1) target = 1;
         if (kept >= target) {
             threshold = radix_select<true>(x, vocab, threshold, target, hist, &s_digit, &s_left);
@@ -278,7 +293,7 @@ extern "C" __global__ void sample_rows(float* logits, int vocab, const SampleRow
         if (threadIdx.x == 0) out[blockIdx.x] = argmax;
         return;
     }
-    u64 target = (u64)((double)p.uniform * (double)total);
+    u64 target = scaled(total, p.uniform);
     if (target > total - 1) target = total - 1;
     if (before <= target && target < before + mine) {
         u64 acc = before;

@@ -1,6 +1,7 @@
-// out[i, c] = table[ids[i], c]: one thread per output element.
+// out[i, c] = table[ids[i] - first, c] for the ids in first..first + rows (the part of the
+// vocabulary the table holds; other rows are left as they are): one thread per element.
 
-struct P { n: u32, dim: u32 }
+struct P { n: u32, dim: u32, first: u32, rows: u32 }
 
 @group(0) @binding(0) var<uniform> p: P;
 @group(0) @binding(2) var<storage, read> ids: array<i32>;
@@ -14,5 +15,8 @@ fn embedding(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         return;
     }
     let r = i / p.dim;
-    out[i] = table_at(u32(ids[r]) * p.dim + (i - r * p.dim));
+    let id = u32(ids[r]) - p.first;
+    if (id < p.rows) {
+        out[i] = table_at(id * p.dim + (i - r * p.dim));
+    }
 }
