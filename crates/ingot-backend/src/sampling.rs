@@ -117,7 +117,14 @@ pub fn sample_row(logits: &mut [f32], row: &SampleRow, edits: &[LogitEdit]) -> u
     for x in logits.iter_mut() {
         *x = ((*x - max) * inv_t).exp();
     }
-    let probs: &[f32] = logits;
+    draw(logits, row, best)
+}
+
+/// The token a draw with `row`'s top-k, top-p, min-p and uniform picks from relative
+/// probabilities `probs` (the most likely token at 1); `best` where every token is masked.
+/// Integer keys and masses only, so a device that computed the same probabilities picks the
+/// same token.
+pub fn draw(probs: &[f32], row: &SampleRow, best: u32) -> u32 {
     let k = row.top_k as usize;
     let kth = if k > 0 && k < probs.len() {
         let mut keys: Vec<u32> = probs.iter().map(|&p| order_key(p)).collect();

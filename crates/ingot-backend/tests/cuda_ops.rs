@@ -66,7 +66,7 @@ fn argmax_picks_the_first_maximum_like_the_cpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn sampling_picks_the_cpu_reference_token() {
-    conformance::sampling_picks_the_cpu_reference_token(&gpu());
+    conformance::sampling_picks_the_cpu_reference_token(&gpu(), true);
 }
 
 #[test]

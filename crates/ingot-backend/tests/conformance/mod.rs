@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use ingot_backend::cpu::CpuBackend;
 use ingot_backend::quant::dequantize_row;
 use ingot_backend::quant::testing::random_quant_row;
+use ingot_backend::sampling;
 use ingot_backend::{
     AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
 };
@@ -1006,9 +1007,16 @@ fn sample_on<B: Backend>(
     (ids, b.download_f32(&l, logits.len()).unwrap())
 }
 
-/// Sampling on the device picks exactly the CPU reference's token for the same uniform
-/// draws: edits, argmax, top-k, top-p and min-p alone and together, on real vocab sizes.
-pub fn sampling_picks_the_cpu_reference_token<G: Backend>(g: &G) {
+/// Sampling on the device picks the CPU reference's token for the same uniform draws:
+/// edits, argmax, top-k, top-p and min-p alone and together, on real vocab sizes.
+///
+/// With `exact` (CUDA: IEEE division, `expf` within 2 ulp) the edited logits are the CPU's
+/// bit for bit and every token is the CPU's. Without it (WGSL allows 2.5 ulp divisions and
+/// fused multiply-adds, and Vulkan drivers' `exp` loses bits with |x|), the edited logits and
+/// probabilities agree to rounding, greedy tokens are the CPU's, and each drawn token is the
+/// one the reference's integer selection ([`sampling::draw`]) picks from the probabilities
+/// the device computed: the selection is checked exactly, the exponentials to a tolerance.
+pub fn sampling_picks_the_cpu_reference_token<G: Backend>(g: &G, exact: bool) {
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(7);
     for vocab in [7, 1000, 1025, 49152, 128256] {
@@ -1047,29 +1055,32 @@ pub fn sampling_picks_the_cpu_reference_token<G: Backend>(g: &G) {
             .collect();
         let (got, got_logits) = sample_on(g, &rows, &edits, &logits, vocab);
         let (want, want_logits) = sample_on(&c, &rows, &edits, &logits, vocab);
-        // Greedy rows keep the edited logits, exactly; drawn rows their probabilities,
-        // which differ by the last bits of the exponentials.
+        // Greedy rows keep the edited logits; drawn rows their probabilities, which differ
+        // by the last bits of the exponentials.
         for (r, p) in rows.iter().enumerate() {
-            let (g, w) = (
+            let (gl, wl) = (
                 &got_logits[r * vocab..][..vocab],
                 &want_logits[r * vocab..][..vocab],
             );
-            if p.temperature == 0.0 {
-                assert_eq!(g, w, "edited logits, vocab {vocab}, row {r}");
+            if p.temperature == 0.0 && exact {
+                assert_eq!(gl, wl, "edited logits, vocab {vocab}, row {r}");
             } else {
-                let worst = g
+                let worst = gl
                     .iter()
-                    .zip(w)
-                    .map(|(a, b)| (a - b).abs())
+                    .zip(wl)
+                    .filter(|(a, b)| a != b)
+                    .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
                     .fold(0.0, f32::max);
-                assert!(
-                    worst <= 1e-6,
-                    "probabilities, vocab {vocab}, row {r}: {worst}"
-                );
+                let tol = if exact { 1e-6 } else { 1e-5 };
+                assert!(worst <= tol, "vocab {vocab}, row {r}: {worst}");
             }
-        }
-        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g, w, "vocab {vocab}, row {r}: {:?}", rows[r]);
+            let want = if p.temperature == 0.0 || exact {
+                want[r]
+            } else {
+                let best = ingot_backend::first_argmax(gl);
+                sampling::draw(gl, p, best) as i32
+            };
+            assert_eq!(got[r], want, "vocab {vocab}, row {r}: {p:?}");
         }
     }
 }

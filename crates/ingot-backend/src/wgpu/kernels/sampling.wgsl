@@ -31,6 +31,19 @@ const NONE: u32 = 0xffffffffu;
 var<workgroup> best_v: array<f32, WG>;
 var<workgroup> best_i: array<u32, WG>;
 
+// A row is read by one workgroup; to keep enough loads in flight from it, each pass over the
+// row loads UNROLL elements per thread (i0, i0 + WG, ...) before it uses them. Element
+// i0 + u·WG of the row at `base`, clamped into the row (callers skip those past its end).
+const UNROLL: u32 = 8u;
+
+fn load_row(base: u32, i0: u32) -> array<f32, UNROLL> {
+    var v: array<f32, UNROLL>;
+    for (var u = 0u; u < UNROLL; u++) {
+        v[u] = logits[base + min(i0 + u * WG, p.vocab - 1u)];
+    }
+    return v;
+}
+
 // The first index of the largest of logits[base ..][.. vocab], in every thread. Each thread
 // keeps the first maximum of its strided elements; the tree then prefers the larger value,
 // and the smaller index among equals, so a row of equal values (or of -inf) gives 0 as on
@@ -38,11 +51,14 @@ var<workgroup> best_i: array<u32, WG>;
 fn row_argmax(base: u32, lid: u32) -> u32 {
     var v = 0.0;
     var i = NONE;
-    for (var c = lid; c < p.vocab; c += WG) {
-        let x = logits[base + c];
-        if (i == NONE || x > v) {
-            v = x;
-            i = c;
+    for (var i0 = lid; i0 < p.vocab; i0 += WG * UNROLL) {
+        let x = load_row(base, i0);
+        for (var u = 0u; u < UNROLL; u++) {
+            let c = i0 + u * WG;
+            if (c < p.vocab && (i == NONE || x[u] > v)) {
+                v = x[u];
+                i = c;
+            }
         }
     }
     best_v[lid] = v;
@@ -199,19 +215,22 @@ fn radix_select(base: u32, floor: u32, goal: vec2<u32>, by_mass: bool, lid: u32)
             atomicStore(&hist[b], 0u);
         }
         workgroupBarrier();
-        for (var i = lid; i < p.vocab; i += WG) {
-            let v = logits[base + i];
-            let key = order_key(v);
-            if (key >= floor && (key & mask) == prefix) {
-                let bin = (key >> shift) & 255u;
-                if (by_mass) {
-                    let m = mass_of(v);
-                    atomicAdd(&hist[bin], m.x & 0x7ffu);
-                    atomicAdd(&hist[256u + bin], (m.x >> 11u) & 0x7ffu);
-                    atomicAdd(&hist[512u + bin], ((m.x >> 22u) | (m.y << 10u)) & 0x7ffu);
-                    atomicAdd(&hist[768u + bin], m.y >> 1u);
-                } else {
-                    atomicAdd(&hist[bin], 1u);
+        for (var i0 = lid; i0 < p.vocab; i0 += WG * UNROLL) {
+            let x = load_row(base, i0);
+            for (var u = 0u; u < UNROLL; u++) {
+                let v = x[u];
+                let key = order_key(v);
+                if (i0 + u * WG < p.vocab && key >= floor && (key & mask) == prefix) {
+                    let bin = (key >> shift) & 255u;
+                    if (by_mass) {
+                        let m = mass_of(v);
+                        atomicAdd(&hist[bin], m.x & 0x7ffu);
+                        atomicAdd(&hist[256u + bin], (m.x >> 11u) & 0x7ffu);
+                        atomicAdd(&hist[512u + bin], ((m.x >> 22u) | (m.y << 10u)) & 0x7ffu);
+                        atomicAdd(&hist[768u + bin], m.y >> 1u);
+                    } else {
+                        atomicAdd(&hist[bin], 1u);
+                    }
                 }
             }
         }
@@ -284,8 +303,13 @@ fn sample(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
     let mx = logits[base + best];
     let inv_t = 1.0 / sp.temperature;
     storageBarrier();
-    for (var i = lid; i < p.vocab; i += WG) {
-        logits[base + i] = exp((logits[base + i] - mx) * inv_t);
+    for (var i0 = lid; i0 < p.vocab; i0 += WG * UNROLL) {
+        let x = load_row(base, i0);
+        for (var u = 0u; u < UNROLL; u++) {
+            if (i0 + u * WG < p.vocab) {
+                logits[base + i0 + u * WG] = exp((x[u] - mx) * inv_t);
+            }
+        }
     }
     storageBarrier();
 
@@ -296,12 +320,16 @@ fn sample(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
     if (sp.top_p < 1.0) {
         var total = vec2<u32>(0u);
         var kept = vec2<u32>(0u);
-        for (var i = lid; i < p.vocab; i += WG) {
-            let v = logits[base + i];
-            let m = mass_of(v);
-            total = add64(total, m);
-            if (order_key(v) >= threshold) {
-                kept = add64(kept, m);
+        for (var i0 = lid; i0 < p.vocab; i0 += WG * UNROLL) {
+            let x = load_row(base, i0);
+            for (var u = 0u; u < UNROLL; u++) {
+                if (i0 + u * WG < p.vocab) {
+                    let m = mass_of(x[u]);
+                    total = add64(total, m);
+                    if (order_key(x[u]) >= threshold) {
+                        kept = add64(kept, m);
+                    }
+                }
             }
         }
         total = sum64(total, lid);
