@@ -42,6 +42,8 @@ const HEADS_PER_BLOCK: usize = 16;
 const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// Most rows a matmul runs through the GEMV kernels instead of cuBLASLt.
 const GEMV_MAX_ROWS: usize = 4;
+/// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
+const DECODE_ROPE_ROWS: usize = 64;
 
 /// Output columns one GEMV block computes for `m` rows (the kernel's COLS).
 fn gemv_columns(m: usize) -> usize {
@@ -730,10 +732,18 @@ impl Backend for CudaBackend {
             rotary_dim as i32,
         );
         let (s, kc, vc) = (slot_mapping.ptr, k_cache.ptr, v_cache.ptr);
-        launch!(self,
-            format!("rope_kv_write_{}_{}", suffix(qkv.dtype), suffix(k_cache.dtype)),
-            (rows as u32, 1, 1), row_threads(heads * rotary_dim / 2).min(256);
-            q, p, cs, nh, nkv, hd, rd, s, kc, vc);
+        let types = format!("{}_{}", suffix(qkv.dtype), suffix(k_cache.dtype));
+        // Decode batches take a block per head (latency), prefill a block per row.
+        if rows <= DECODE_ROPE_ROWS && layout.head_dim <= 1024 {
+            let all_heads = heads + layout.num_kv_heads;
+            launch!(self, format!("rope_kv_write_heads_{types}"),
+                (rows as u32, all_heads as u32, 1), row_threads(layout.head_dim);
+                q, p, cs, nh, nkv, hd, rd, s, kc, vc);
+        } else {
+            launch!(self, format!("rope_kv_write_{types}"),
+                (rows as u32, 1, 1), row_threads(heads * rotary_dim / 2).min(256);
+                q, p, cs, nh, nkv, hd, rd, s, kc, vc);
+        }
     }
 
     fn silu_mul_matmul(

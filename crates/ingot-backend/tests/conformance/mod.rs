@@ -374,8 +374,8 @@ pub fn rope_qk_norm_and_kv_write_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(2);
     for &dtype in d.activations {
-        for layout in LAYOUTS {
-            let rows = 7;
+        // 7 rows (a decode batch) and 70 (prefill): backends may pick kernels by rows.
+        for (layout, rows) in LAYOUTS.iter().flat_map(|&l| [(l, 7), (l, 70)]) {
             let (rl, hd) = (layout.row_len(), layout.head_dim);
             let qkv = round(&randn(&mut rng, rows * rl), dtype);
             let pos: Vec<i32> = (0..rows).map(|_| rng.random_range(0..50)).collect();
