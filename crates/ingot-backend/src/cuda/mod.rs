@@ -45,12 +45,13 @@ const GEMV_MAX_ROWS: usize = 4;
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;
 
-/// Output columns one GEMV block computes for `m` rows (the kernel's COLS).
-fn gemv_columns(m: usize) -> usize {
-    if m == 1 {
-        2
-    } else {
-        4
+/// Output columns one block of GEMV kernel family `kernel` computes for `m` rows (the
+/// kernel's COLS; SILU_COLS_M1 for one row of `gemv_silu`).
+fn gemv_columns(kernel: &str, m: usize) -> usize {
+    match (kernel, m) {
+        ("gemv_silu", 1) => 8,
+        (_, 1) => 2,
+        _ => 4,
     }
 }
 /// cuBLASLt's workspace (what it recommends for Hopper).
@@ -346,7 +347,7 @@ impl CudaBackend {
         let bp = bias.map_or(0, |b| b.ptr);
         launch!(self, format!("{kernel}_{}_{}_m{m}", suffix(x.dtype), suffix(out.buf.dtype)),
             label = format!("{kernel} m{m} n{n} k{k}"),
-            (n.div_ceil(gemv_columns(m)) as u32, 1, 1), 256; xp, wp, bp, nn, kk, o, ldl);
+            (n.div_ceil(gemv_columns(kernel, m)) as u32, 1, 1), 256; xp, wp, bp, nn, kk, o, ldl);
     }
 
     /// Workspace f32 elements one row of split-KV attention needs.
