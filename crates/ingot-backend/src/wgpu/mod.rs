@@ -2,7 +2,7 @@
 //! elsewhere (and on Mesa's lavapipe, a CPU Vulkan, in CI).
 //!
 //! Activations run in f32 (the ops that bound a step read weights and the KV cache, which
-//! keep 16-bit formats); matrices are kept as f32, f16, bf16 or GGUF Q8_0, Q4_1 and Q4_K
+//! keep 16-bit formats); matrices are kept as f32, f16, bf16 or GGUF Q8_0, Q4_0, Q4_1, Q4_K
 //! blocks that the shaders dequantize (other block formats are converted to f16 at load);
 //! the KV cache may be f32, f16 or bf16. Ops are recorded, not run: each
 //! adds a dispatch to the step's list, which goes to the GPU in compute passes of a few
@@ -417,30 +417,39 @@ impl WgpuBackend {
     }
 }
 
+/// The GGUF formats whose blocks (an f16 scale, then quants) are not word-aligned, so the
+/// device stores them in pairs ([`scale_pairs`]).
+fn paired(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0)
+}
+
 /// Bytes a buffer of `numel` elements of `dtype` takes on the device.
 fn stored_bytes(dtype: DType, numel: usize) -> usize {
-    match dtype {
-        DType::Q8_0 => numel.div_ceil(64) * 68,
-        _ => dtype.bytes_for(numel),
+    if paired(dtype) {
+        numel.div_ceil(2 * dtype.block_len()) * 2 * dtype.block_bytes()
+    } else {
+        dtype.bytes_for(numel)
     }
 }
 
-/// GGUF Q8_0 blocks (34 bytes: an f16 scale, 32 quants) regrouped in pairs of two blocks
-/// that start on 4-byte words: both scales, then both blocks' quants. An odd last block is
-/// paired with zeros.
-fn q8_0_pairs(blocks: &[u8]) -> Result<Vec<u8>> {
+/// GGUF blocks of `block_bytes` (an f16 scale, then quants: Q8_0's 34, Q4_0's 18) regrouped
+/// in pairs of two blocks that start on 4-byte words: both scales, then both blocks' quants.
+/// An odd last block is paired with zeros.
+fn scale_pairs(blocks: &[u8], block_bytes: usize) -> Result<Vec<u8>> {
     ensure!(
-        blocks.len().is_multiple_of(34),
-        "Q8_0 upload of {} bytes is not whole blocks",
+        blocks.len().is_multiple_of(block_bytes),
+        "upload of {} bytes is not whole blocks of {block_bytes}",
         blocks.len()
     );
-    let mut out = Vec::with_capacity(blocks.len().div_ceil(68) * 68);
-    for pair in blocks.chunks(68) {
-        let (a, b) = pair.split_at(34);
+    let zeros = vec![0; block_bytes];
+    let mut out = Vec::with_capacity(blocks.len().div_ceil(2 * block_bytes) * 2 * block_bytes);
+    for pair in blocks.chunks(2 * block_bytes) {
+        let (a, b) = pair.split_at(block_bytes);
+        let b = if b.is_empty() { &zeros[..] } else { b };
         out.extend_from_slice(&a[..2]);
-        out.extend_from_slice(b.get(..2).unwrap_or(&[0; 2]));
+        out.extend_from_slice(&b[..2]);
         out.extend_from_slice(&a[2..]);
-        out.extend_from_slice(b.get(2..).unwrap_or(&[0; 32]));
+        out.extend_from_slice(&b[2..]);
     }
     Ok(out)
 }
@@ -509,8 +518,8 @@ impl Backend for WgpuBackend {
         Ok(WgpuBuffer { buf, dtype, numel })
     }
 
-    /// Q8_0 comes as GGUF blocks and is stored in pairs ([`q8_0_pairs`]); every other
-    /// dtype is stored as it comes.
+    /// Q8_0 and Q4_0 come as GGUF blocks and are stored in pairs ([`scale_pairs`]); every
+    /// other dtype is stored as it comes.
     fn upload(&self, dst: &mut WgpuBuffer, bytes: &[u8]) -> Result<()> {
         let held = dst.dtype.bytes_for(dst.numel);
         ensure!(
@@ -518,10 +527,10 @@ impl Backend for WgpuBackend {
             "upload of {} bytes into a buffer of {held}",
             bytes.len()
         );
-        let paired;
-        let (bytes, held) = if dst.dtype == DType::Q8_0 {
-            paired = q8_0_pairs(bytes)?;
-            (&paired[..], stored_bytes(DType::Q8_0, dst.numel))
+        let pairs;
+        let (bytes, held) = if paired(dst.dtype) {
+            pairs = scale_pairs(bytes, dst.dtype.block_bytes())?;
+            (&pairs[..], stored_bytes(dst.dtype, dst.numel))
         } else {
             (bytes, held)
         };
@@ -1087,7 +1096,7 @@ mod tests {
         let blocks: Vec<u8> = (0..3u8)
             .flat_map(|b| [10 + b, 0].into_iter().chain([100 + b; 32]))
             .collect();
-        let pairs = q8_0_pairs(&blocks).unwrap();
+        let pairs = scale_pairs(&blocks, 34).unwrap();
         assert_eq!(pairs.len(), 2 * 68);
         assert_eq!(pairs.len(), stored_bytes(DType::Q8_0, 3 * 32));
         assert_eq!(&pairs[..4], &[10, 0, 11, 0]);
@@ -1096,6 +1105,7 @@ mod tests {
         assert_eq!(&pairs[68..72], &[12, 0, 0, 0]);
         assert!(pairs[72..104].iter().all(|&q| q == 102));
         assert!(pairs[104..].iter().all(|&q| q == 0));
-        assert!(q8_0_pairs(&blocks[..40]).is_err());
+        assert!(scale_pairs(&blocks[..40], 34).is_err());
+        assert_eq!(stored_bytes(DType::Q4_0, 3 * 32), 2 * 36);
     }
 }

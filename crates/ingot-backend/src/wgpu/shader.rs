@@ -6,8 +6,9 @@
 //! GGUF blocks are read as they are stored and dequantized in the accessors, so a
 //! quantized matrix takes its file size on the device and the kernels that read floats
 //! read it unchanged. Q4_1 (20-byte blocks) and Q4_K (144-byte super-blocks) are word
-//! aligned; Q8_0's 34-byte blocks are not, so the backend stores them in pairs, the two
-//! scales in one word and then the two blocks' quants (17 words for 64 elements).
+//! aligned; Q8_0's 34-byte and Q4_0's 18-byte blocks are not, so the backend stores them in
+//! pairs, the two scales in one word and then the two blocks' quants (17 and 9 words for 64
+//! elements).
 
 use crate::DType;
 
@@ -53,12 +54,13 @@ pub struct Kernel {
 
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 /// The GGUF block formats the weight accessors dequantize.
-pub const BLOCKS: &[DType] = &[DType::Q8_0, DType::Q4_1, DType::Q4K];
+pub const BLOCKS: &[DType] = &[DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K];
 const WEIGHTS: &[DType] = &[
     DType::F32,
     DType::F16,
     DType::BF16,
     DType::Q8_0,
+    DType::Q4_0,
     DType::Q4_1,
     DType::Q4K,
 ];
@@ -310,6 +312,7 @@ fn block_accessor(t: &Typed, dtype: DType) -> String {
     assert_eq!(t.access, Access::Read, "{dtype} buffers are read-only");
     let (at, at8) = match dtype {
         DType::Q8_0 => (Q8_0_AT, Q8_0_AT8),
+        DType::Q4_0 => (Q4_0_AT, Q4_0_AT8),
         DType::Q4_1 => (Q4_1_AT, Q4_1_AT8),
         DType::Q4K => (Q4K_AT, Q4K_AT8),
         other => panic!("no {other} accessors"),
@@ -364,6 +367,29 @@ fn $N_at8(g: u32) -> W8 {
     let d = unpack2x16float($A[base])[b & 1u];
     let o = base + 1u + ((b & 1u) << 3u) + ((g & 3u) << 1u);
     return W8(d * i8x4($A[o]), d * i8x4($A[o + 1u]));
+}
+";
+
+// Q4_0 pairs: word 0 holds both blocks' f16 scales, words 1-4 and 5-8 their 16 bytes whose
+// low nibbles are elements 0-15 and high nibbles 16-31, offset by 8.
+const Q4_0_AT: &str = "
+fn $N_at(i: u32) -> f32 {
+    let b = i >> 5u;
+    let base = (b >> 1u) * 9u;
+    let j = i & 31u;
+    let qw = $A[base + 1u + ((b & 1u) << 2u) + ((j & 15u) >> 2u)];
+    let q = (qw >> (8u * (j & 3u) + 4u * (j >> 4u))) & 15u;
+    return unpack2x16float($A[base])[b & 1u] * (f32(q) - 8.0);
+}
+";
+const Q4_0_AT8: &str = "
+fn $N_at8(g: u32) -> W8 {
+    let b = g >> 2u;
+    let base = (b >> 1u) * 9u;
+    let d = unpack2x16float($A[base])[b & 1u];
+    let o = base + 1u + ((b & 1u) << 2u) + ((g & 1u) << 1u);
+    let s = 4u * ((g >> 1u) & 1u);
+    return W8(d * (u4x4($A[o] >> s) - 8.0), d * (u4x4($A[o + 1u] >> s) - 8.0));
 }
 ";
 
