@@ -118,14 +118,7 @@ fn matrices_split_over_buffers_match_the_cpu() {
         );
         let layer = &gpu.model.weights.layers[0];
         assert!(layer.gate_up.parts.len() >= 3 && layer.down.parts.len() >= 2);
-        let want = common::run_mixed(&mut cpu, &seqs, 11);
-        let got = common::run_mixed(&mut gpu, &seqs, 11);
-        assert_eq!(got.len(), want.len());
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(g, w)| common::rel_err(&g.logits, &w.logits))
-            .fold(0f32, f32::max);
+        let (_, worst) = common::mixed_logit_error(&mut cpu, &mut gpu, &seqs);
         println!(
             "{arch:?}: embedding in {embed_parts} parts, max relative logit error {worst:.2e}"
         );

@@ -55,15 +55,18 @@ pub struct Kernel {
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 /// The GGUF block formats the weight accessors dequantize.
 pub const BLOCKS: &[DType] = &[DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K];
-const WEIGHTS: &[DType] = &[
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q4K,
-];
+/// The dtypes a weight matrix may have: the floats and the blocks.
+const WEIGHTS: &[DType] = &concat::<{ FLOATS.len() + BLOCKS.len() }>(FLOATS, BLOCKS);
+
+const fn concat<const N: usize>(a: &[DType], b: &[DType]) -> [DType; N] {
+    let mut out = [DType::F32; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = if i < a.len() { a[i] } else { b[i - a.len()] };
+        i += 1;
+    }
+    out
+}
 
 pub const EMBEDDING: Kernel = Kernel {
     file: "embedding",

@@ -72,6 +72,28 @@ pub struct Observed {
     pub logits: Vec<f32>,
 }
 
+/// Runs `seqs` through both runners with `run_mixed` and returns how many logit rows they
+/// produced (the same rows, checked) and the largest relative error of `got`'s against
+/// `want`'s.
+pub fn mixed_logit_error<A: Backend, B: Backend>(
+    want: &mut ModelRunner<A>,
+    got: &mut ModelRunner<B>,
+    seqs: &[Vec<u32>],
+) -> (usize, f32) {
+    let want = run_mixed(want, seqs, 11);
+    let got = run_mixed(got, seqs, 11);
+    assert_eq!(got.len(), want.len());
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| {
+            assert_eq!((g.seq, g.pos), (w.seq, w.pos));
+            rel_err(&g.logits, &w.logits)
+        })
+        .fold(0f32, f32::max);
+    (got.len(), worst)
+}
+
 /// Feeds every sequence's tokens through the runner in steps that mix prefill chunks of
 /// random length (cut at arbitrary points) with single-token steps, several sequences per
 /// step, with physical blocks handed out in shuffled order. Returns the logits of the last
@@ -278,21 +300,8 @@ pub fn synthetic_models_match_the_cpu<B: Backend>(
                 .collect();
             let mut cpu = runner(&dir, dtype, 24, 4, 512, 64);
             let mut gpu = runner_on(device(), &dir, dtype, 24, 4, 512, 64);
-            let want = run_mixed(&mut cpu, &seqs, 11);
-            let got = run_mixed(&mut gpu, &seqs, 11);
-            assert_eq!(got.len(), want.len());
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| {
-                    assert_eq!((g.seq, g.pos), (w.seq, w.pos));
-                    rel_err(&g.logits, &w.logits)
-                })
-                .fold(0f32, f32::max);
-            println!(
-                "{arch:?} {stored:?}: {} logit rows, max relative error {worst:.2e}",
-                got.len()
-            );
+            let (rows, worst) = mixed_logit_error(&mut cpu, &mut gpu, &seqs);
+            println!("{arch:?} {stored:?}: {rows} logit rows, max relative error {worst:.2e}");
             assert!(
                 worst <= tol,
                 "{arch:?} {stored:?}: relative logit error {worst}"

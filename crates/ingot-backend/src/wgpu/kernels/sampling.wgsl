@@ -258,6 +258,8 @@ fn radix_select(base: u32, floor: u32, goal: vec2<u32>, by_mass: bool, lid: u32)
 }
 
 var<workgroup> sums: array<vec2<u32>, WG>;
+// The kept mass of the whole row, for the draw.
+var<workgroup> kept_total: vec2<u32>;
 
 // The workgroup's total of v, in every thread.
 fn sum64(v: vec2<u32>, lid: u32) -> vec2<u32> {
@@ -364,10 +366,10 @@ fn sample(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             sums[t] = acc;
             acc = add64(acc, m);
         }
-        sel_left = acc;
+        kept_total = acc;
     }
     workgroupBarrier();
-    let total = sel_left;
+    let total = kept_total;
     let before = sums[lid];
     if (is_zero64(total)) {
         // Every token masked: nothing to draw from.
