@@ -18,8 +18,7 @@ use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -118,6 +117,9 @@ pub struct CudaBackend {
     profiler: Mutex<Option<Profiler>>,
     name: String,
     sm_count: u32,
+    /// Kernels are launched with programmatic stream serialization (sm_90 and later, unless
+    /// `INGOT_CUDA_PDL=0`).
+    dependent_launch: bool,
 }
 
 /// Suffix of kernels instantiated per element type.
@@ -146,14 +148,12 @@ macro_rules! launch {
         let name: String = $name;
         let label: String = $label;
         let f = $be.kernels.get(&name);
-        let mut b = $be.stream.launch_builder(&f);
-        $( b.arg(&$arg); )*
-        let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: 0 };
+        let mut params = [$( &$arg as *const _ as *mut std::ffi::c_void ),*];
         $be.timed(&label, || {
             // SAFETY: the argument list matches the kernel's signature, and every pointer
             // addresses a live buffer large enough for the shapes passed beside it.
-            let r = unsafe { b.launch(cfg) };
-            r.map(|_| ()).with_context(|| format!("launching {name}"))
+            unsafe { $be.launch_kernel(&f, $grid, $block, &mut params) }
+                .with_context(|| format!("launching {name}"))
         });
     }};
 }
@@ -191,6 +191,12 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
         let name = format!("cuda:{ordinal} ({}, {arch})", ctx.name()?);
+        let dependent_launch =
+            major >= 9 && std::env::var("INGOT_CUDA_PDL").map_or(true, |v| v != "0");
+        tracing::info!(
+            "{name}: programmatic dependent launch {}",
+            if dependent_launch { "on" } else { "off" }
+        );
         Ok(CudaBackend {
             ctx,
             stream,
@@ -202,6 +208,7 @@ impl CudaBackend {
             profiler: Mutex::new(None),
             name,
             sm_count,
+            dependent_launch,
         })
     }
 
@@ -245,6 +252,48 @@ impl CudaBackend {
                 *slot = Some(e);
             }
         }
+    }
+
+    /// Enqueues kernel `f`. Where programmatic dependent launch is on, the kernel may start
+    /// while the one before it finishes; every kernel waits in `await_previous_kernel`
+    /// before it touches memory another kernel uses.
+    ///
+    /// # Safety
+    /// `params` addresses values that match the kernel's parameters, and the buffers they
+    /// point at are live and large enough for the shapes among them.
+    unsafe fn launch_kernel(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        let mut overlap: sys::CUlaunchAttribute = std::mem::zeroed();
+        overlap.id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        overlap.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut overlap,
+            numAttrs: u32::from(self.dependent_launch),
+        };
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()?;
+        Ok(())
     }
 
     /// Blocks for a grid-stride loop over `n` elements.

@@ -552,6 +552,9 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
         (66, 20, 37),
         (130, 33, 200),
         (257, 1000, 1024),
+        (5, 33, 128),
+        (12, 24, 264),
+        (16, 40, 1032),
     ];
     for &dtype in d.activations {
         let mut outs = vec![dtype, DType::F32];
@@ -629,6 +632,8 @@ pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (7, 33, 96),
             (3, 50, 512),
             (19, 70, 130),
+            (11, 24, 96),
+            (16, 48, 264),
         ];
         for ((m, n, ffn), wd) in shapes
             .into_iter()

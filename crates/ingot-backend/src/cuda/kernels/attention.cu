@@ -623,6 +623,7 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
             const T* qkv, const int* qsl, const int* sl, const int* bt, int mb, int ns, int off,   \
             const C* kc, const C* vc, int bs, int nh, int nkv, int rl, float scale, int splits,    \
             int min_part, float* ws_o, float* ws_ml) {                                             \
+        await_previous_kernel();                                                                   \
         split_kv_attention<T, C, D>(qkv, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, \
                                     splits, min_part, ws_o, ws_ml);                                \
     }
@@ -637,6 +638,7 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
         const T* qkv, const int* qsl, const int* sl, const int* bt, int mb, int ns, int off,       \
         const C* kc, const C* vc, int bs, int nh, int nkv, int rl, float scale, int splits,        \
         int min_part, float* ws_o, float* ws_ml) {                                                 \
+        await_previous_kernel();                                                                   \
         split_kv_mma<T, C, D>(qkv, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale,       \
                               splits, min_part, ws_o, ws_ml);                                      \
     }
@@ -650,6 +652,7 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
     extern "C" __global__ void split_kv_reduce_##S(const int* qsl, const int* sl, int ns, int off, \
                                                    int nh, int hd, int splits, int min_part,       \
                                                    const float* ws_o, const float* ws_ml, T* out) { \
+        await_previous_kernel();                                                                   \
         split_kv_reduce<T>(qsl, sl, ns, off, nh, hd, splits, min_part, ws_o, ws_ml, out);          \
     }
 
@@ -657,6 +660,7 @@ __device__ void prefill_attention(const T* qkv, const int* qsl, const int* seq_l
     extern "C" __global__ void __launch_bounds__(128) prefill_attention_##S##_d##D(                \
         const T* qkv, const int* qsl, const int* sl, const int* bt, int mb, int ns, const T* kc,   \
         const T* vc, int bs, int nh, int nkv, int rl, float scale, T* out) {                       \
+        await_previous_kernel();                                                                   \
         prefill_attention<T, D>(qkv, qsl, sl, bt, mb, ns, kc, vc, bs, nh, nkv, rl, scale, out);    \
     }
 

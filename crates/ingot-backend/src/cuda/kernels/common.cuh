@@ -71,3 +71,19 @@ __device__ __forceinline__ int seq_of_token(const int* query_start_loc, int num_
 }
 
 #define NEG_INF __int_as_float(0xff800000)
+
+// Programmatic dependent launch (sm_90 and later): the backend lets each kernel start while
+// the kernel before it in the stream finishes, so a launch's latency hides behind that
+// kernel's last blocks. Every kernel calls this before it reads or writes anything another
+// kernel touches: it returns once the previous kernel has finished and its writes are
+// visible (each kernel waits for the one before, so for all before), then lets the next
+// kernel launch: its blocks take free slots and wait here in turn. Letting it launch at the
+// start measured better than after a GEMV's main loop (H100, Llama-8B shapes, B=1 decode
+// 172.1 against 171.4 tok/s). Earlier architectures serialize kernels in the stream; there
+// this is empty.
+__device__ __forceinline__ void await_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

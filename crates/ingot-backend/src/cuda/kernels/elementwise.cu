@@ -221,50 +221,62 @@ __device__ void bias_add(T* out, const float* bias, int n, long long ld) {
 #define ELEMENTWISE(T, S)                                                                          \
     extern "C" __global__ void embedding_##S(const T* t, const int* ids, int first, int rows,     \
                                              int dim, T* out) {                                    \
+        await_previous_kernel();                                                                   \
         embedding<T>(t, ids, first, rows, dim, out);                                               \
     }                                                                                              \
     extern "C" __global__ void rms_norm_##S(const T* x, const float* w, float eps, int dim,        \
                                             T* out) {                                              \
+        await_previous_kernel();                                                                   \
         rms_norm<T>(x, w, eps, dim, out);                                                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(1024)                                            \
         add_rms_norm_##S(T* r, const T* x, const float* w, float eps, int dim, T* out) {           \
+        await_previous_kernel();                                                                   \
         add_rms_norm<T>(r, x, w, eps, dim, out);                                                   \
     }                                                                                              \
     extern "C" __global__ void add_assign_##S(T* acc, const T* x, long long n) {                   \
+        await_previous_kernel();                                                                   \
         add_assign<T>(acc, x, n);                                                                  \
     }                                                                                              \
     extern "C" __global__ void silu_mul_##S(const T* gu, long long rows, int ffn, T* out) {        \
+        await_previous_kernel();                                                                   \
         silu_mul<T>(gu, rows, ffn, out);                                                           \
     }                                                                                              \
     extern "C" __global__ void qk_norm_##S(T* qkv, int nh, int nkv, int hd, int rl,                \
                                            const float* qw, const float* kw, float eps) {          \
+        await_previous_kernel();                                                                   \
         qk_norm<T>(qkv, nh, nkv, hd, rl, qw, kw, eps);                                             \
     }                                                                                              \
     extern "C" __global__ void rope_##S(T* qkv, const int* pos, const float* cs, int heads,        \
                                         int hd, int rd, int rl) {                                  \
+        await_previous_kernel();                                                                   \
         rope<T>(qkv, pos, cs, heads, hd, rd, rl);                                                  \
     }                                                                                              \
     extern "C" __global__ void gather_rows_##S(const T* x, const int* idx, int dim, T* out) {      \
+        await_previous_kernel();                                                                   \
         gather_rows<T>(x, idx, dim, out);                                                          \
     }                                                                                              \
     extern "C" __global__ void bias_add_##S(T* out, const float* bias, int n, long long ld) {      \
+        await_previous_kernel();                                                                   \
         bias_add<T>(out, bias, n, ld);                                                             \
     }
 
 #define KV_WRITE(T, S, C, SC)                                                                      \
     extern "C" __global__ void kv_write_##S##_##SC(const T* qkv, const int* slots, int q_len,      \
                                                    int kv_len, int rl, C* kc, C* vc) {             \
+        await_previous_kernel();                                                                   \
         kv_write<T, C>(qkv, slots, q_len, kv_len, rl, kc, vc);                                     \
     }                                                                                              \
     extern "C" __global__ void rope_kv_write_##S##_##SC(T* qkv, const int* pos, const float* cs,   \
                                                         int nh, int nkv, int hd, int rd,           \
                                                         const int* slots, C* kc, C* vc) {          \
+        await_previous_kernel();                                                                   \
         rope_kv_write<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc);                         \
     }                                                                                              \
     extern "C" __global__ void rope_kv_write_heads_##S##_##SC(                                     \
         T* qkv, const int* pos, const float* cs, int nh, int nkv, int hd, int rd,                  \
         const int* slots, C* kc, C* vc) {                                                          \
+        await_previous_kernel();                                                                   \
         rope_kv_write_heads<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc);                   \
     }
 

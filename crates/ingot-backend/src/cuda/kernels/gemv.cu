@@ -46,6 +46,7 @@ __device__ void gemv(const T* x, const T* w, const float* bias, int n, int k, O*
     __shared__ float partial[THREADS / 32][M][COLS];
     const int j0 = blockIdx.x * COLS;
     const int rows = min(COLS, n - j0);
+    await_previous_kernel();
     float acc[M][COLS];
 #pragma unroll
     for (int r = 0; r < M; r++)

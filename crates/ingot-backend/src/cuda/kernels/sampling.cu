@@ -65,6 +65,7 @@ __device__ __forceinline__ void block_argmax(const float* x, int vocab, float& b
 
 // One block per row.
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out) {
+    await_previous_kernel();
     float best;
     int idx;
     block_argmax(logits + (long long)blockIdx.x * vocab, vocab, best, idx);
@@ -211,6 +212,7 @@ extern "C" __global__ void sample_rows(float* logits, int vocab, const SampleRow
     __shared__ u64 scratch[32];
     __shared__ u32 s_digit;
     __shared__ u64 s_left;
+    await_previous_kernel();
     float* x = logits + (long long)blockIdx.x * vocab;
     const SampleRow p = rows[blockIdx.x];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
