@@ -216,3 +216,35 @@ impl Kernels {
         f
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::PROGRAMS;
+
+    /// Kernels are launched to start before the previous kernel has finished
+    /// (programmatic dependent launch): one that touched memory before
+    /// `await_previous_kernel()` could read stale inputs or overwrite ones still being read,
+    /// and only sometimes. So each kernel's body opens with the wait.
+    #[test]
+    fn every_kernel_first_waits_for_the_previous_one() {
+        let mut kernels = 0;
+        for (name, source) in PROGRAMS {
+            for (i, _) in source.match_indices("extern \"C\" __global__") {
+                let body = &source[i..][source[i..].find('{').expect("a kernel body") + 1..];
+                let first: String = body
+                    .chars()
+                    .filter(|c| !c.is_whitespace() && *c != '\\')
+                    .take(24)
+                    .collect();
+                let signature = source[i..].lines().next().unwrap_or_default();
+                assert_eq!(
+                    first, "await_previous_kernel();",
+                    "{name}.cu: the kernel at `{signature}` does not open with \
+                     await_previous_kernel()"
+                );
+                kernels += 1;
+            }
+        }
+        assert!(kernels >= 20, "found only {kernels} kernels");
+    }
+}

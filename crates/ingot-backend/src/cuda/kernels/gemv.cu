@@ -46,7 +46,6 @@ __device__ void gemv(const T* x, const T* w, const float* bias, int n, int k, O*
     __shared__ float partial[THREADS / 32][M][COLS];
     const int j0 = blockIdx.x * COLS;
     const int rows = min(COLS, n - j0);
-    await_previous_kernel();
     float acc[M][COLS];
 #pragma unroll
     for (int r = 0; r < M; r++)
@@ -96,10 +95,12 @@ __device__ void gemv(const T* x, const T* w, const float* bias, int n, int k, O*
 #define GEMV(T, S, O, SO, M)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_##S##_##SO##_m##M(                  \
         const T* x, const T* w, const float* bias, int n, int k, O* out, long long ld) {           \
+        await_previous_kernel();                                                                   \
         gemv<T, O, M, false, (M == 1 ? 2 : 4)>(x, w, bias, n, k, out, ld);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_silu_##S##_##SO##_m##M(             \
         const T* x, const T* w, const float* bias, int n, int k, O* out, long long ld) {           \
+        await_previous_kernel();                                                                   \
         gemv<T, O, M, true, (M == 1 ? SILU_COLS_M1 : 4)>(x, w, bias, n, k, out, ld);               \
     }
 

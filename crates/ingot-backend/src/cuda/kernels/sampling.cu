@@ -208,11 +208,11 @@ __device__ u32 radix_select(const float* x, int vocab, u32 floor, u64 target,
 // `logits` is left holding the edited logits (temperature 0) or the relative probabilities.
 extern "C" __global__ void sample_rows(float* logits, int vocab, const SampleRow* rows,
                                        const LogitEdit* edits, int* out) {
+    await_previous_kernel();
     __shared__ u64 hist[SAMPLE_WARPS][256];
     __shared__ u64 scratch[32];
     __shared__ u32 s_digit;
     __shared__ u64 s_left;
-    await_previous_kernel();
     float* x = logits + (long long)blockIdx.x * vocab;
     const SampleRow p = rows[blockIdx.x];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
