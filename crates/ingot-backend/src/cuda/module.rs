@@ -227,6 +227,7 @@ mod tests {
     /// and only sometimes. So each kernel's body opens with the wait.
     #[test]
     fn every_kernel_first_waits_for_the_previous_one() {
+        const WAIT: &str = "await_previous_kernel();";
         let mut kernels = 0;
         for (name, source) in PROGRAMS {
             for (i, _) in source.match_indices("extern \"C\" __global__") {
@@ -234,13 +235,12 @@ mod tests {
                 let first: String = body
                     .chars()
                     .filter(|c| !c.is_whitespace() && *c != '\\')
-                    .take(24)
+                    .take(WAIT.len())
                     .collect();
                 let signature = source[i..].lines().next().unwrap_or_default();
                 assert_eq!(
-                    first, "await_previous_kernel();",
-                    "{name}.cu: the kernel at `{signature}` does not open with \
-                     await_previous_kernel()"
+                    first, WAIT,
+                    "{name}.cu: the kernel at `{signature}` does not open with `{WAIT}`"
                 );
                 kernels += 1;
             }
