@@ -15,6 +15,18 @@
 #define THREADS 256
 #define SILU_COLS_M1 8
 
+// 16 bytes of weights, read once: loaded past L1 (`L1::no_allocate`), so that the input
+// rows every block of the product reads stay there instead of being pushed out by the
+// weight stream (H100, Llama-8B shapes, same machine, three runs each: B=1 decode 174.7 /
+// 174.4 / 174.8 tok/s against 172.2 / 172.8 / 172.7 with cached loads).
+__device__ __forceinline__ uint4 load_streamed(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
     const T* e = reinterpret_cast<const T*>(&v);
@@ -51,12 +63,14 @@ __device__ void gemv(const T* x, const T* w, const float* bias, int n, int k, O*
     for (int r = 0; r < M; r++)
 #pragma unroll
         for (int c = 0; c < COLS; c++) acc[r][c] = 0.0f;
-#pragma unroll 2
+    // Four steps along k unrolled, so that their loads are issued together (B=1 decode, same
+    // machine: 175.9 / 175.5 / 175.2 tok/s against 173.3 / 174.6 / 173.2 with two).
+#pragma unroll 4
     for (int kk = threadIdx.x * 8; kk < k; kk += THREADS * 8) {
         uint4 wv[COLS];
 #pragma unroll
         for (int c = 0; c < COLS; c++)
-            wv[c] = c < rows ? *reinterpret_cast<const uint4*>(w + (long long)(j0 + c) * k + kk)
+            wv[c] = c < rows ? load_streamed(w + (long long)(j0 + c) * k + kk)
                              : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int r = 0; r < M; r++) {
