@@ -103,8 +103,9 @@ struct SeqState {
     queue_time: Option<Duration>,
 }
 
-/// What the last step ran: prompt tokens (including recomputed ones) and decode tokens,
-/// and how long the model runner took (uploads, the device's work, the read-back).
+/// What the step whose deltas the last [`Engine::step`] returned ran: prompt tokens
+/// (including recomputed ones) and decode tokens; and how long that call spent in the model
+/// runner (waiting for the step and reading it back, uploading and queueing the next one).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepInfo {
     pub prefill_tokens: usize,
@@ -174,6 +175,38 @@ pub struct Engine<B: Backend> {
     /// Ids for `generate`'s requests, kept apart from callers' ids.
     next_offline_request: RequestId,
     last_step: StepInfo,
+    /// The step on the device whose tokens the next [`Engine::step`] reads back.
+    in_flight: Option<InFlight>,
+}
+
+/// How a step's tokens come back from the device.
+enum Picks {
+    /// Picked on the device (greedy or drawn): only the ids are read back.
+    Ids,
+    /// The sampled rows' logits, sampled on the host (which reports logprobs).
+    Logits,
+}
+
+/// A submitted step whose results have not been read back.
+struct InFlight {
+    out: SchedulerOutput,
+    /// The sequences whose next token the step samples, in row order.
+    sampled: Vec<SeqId>,
+    picks: Picks,
+    info: StepInfo,
+}
+
+/// A token committed to its sequence, whose text and stop strings are still to be checked.
+struct NewToken {
+    id: SeqId,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+    /// The sequence's output tokens, this one included.
+    num_output: usize,
+    /// A stop token (EOS or `stop_token_ids`) once `min_tokens` are out.
+    stop_token: bool,
+    /// The sequence has `max_tokens` outputs.
+    at_length: bool,
 }
 
 fn gib(bytes: usize) -> f64 {
@@ -299,6 +332,7 @@ impl<B: Backend> Engine<B> {
             next_seq: 0,
             next_offline_request: 1 << 63,
             last_step: StepInfo::default(),
+            in_flight: None,
         })
     }
 
@@ -325,7 +359,7 @@ impl<B: Backend> Engine<B> {
 
     pub fn has_work(&self) -> bool {
         // Siblings wait on their first sample, which is in the scheduler until they are made.
-        self.scheduler.has_work()
+        self.in_flight.is_some() || self.scheduler.has_work()
     }
 
     /// Sequences waiting: queued, and siblings not yet made.
@@ -541,22 +575,49 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Runs one step and returns the deltas of every sequence that produced output.
+    ///
+    /// The host's work overlaps the device's: a call reads back the tokens of the step the
+    /// call before it submitted, commits them (stop tokens and `max_tokens` end sequences
+    /// here), submits the next step, and only then detokenizes and checks stop strings
+    /// while the device runs. So a call returns the deltas of the step before; a sequence
+    /// that a stop string ends has one more step in flight, whose token is dropped.
     pub fn step(&mut self) -> Result<Vec<SeqDelta>> {
+        let mut in_runner = Duration::ZERO;
+        let done = match self.in_flight.take() {
+            Some(f) => {
+                let t = Instant::now();
+                let picked = self.read_back(&f)?;
+                in_runner += t.elapsed();
+                Some((f.info, self.commit(f, picked)))
+            }
+            None => None,
+        };
         let out = self.scheduler.schedule();
-        if out.seqs.is_empty() {
-            return Ok(vec![]);
+        if !out.seqs.is_empty() {
+            in_runner += self.submit(out)?;
         }
+        let Some((info, tokens)) = done else {
+            self.last_step = StepInfo::default();
+            return Ok(vec![]);
+        };
+        self.last_step = StepInfo {
+            execute: in_runner,
+            ..info
+        };
+        self.deliver(tokens)
+    }
+
+    /// Queues a scheduled step on the device; returns the time spent in the model runner.
+    fn submit(&mut self, out: SchedulerOutput) -> Result<Duration> {
         let (input, sampled) = self.step_input(&out);
-        self.last_step = StepInfo::default();
+        let mut info = StepInfo::default();
         for s in &out.seqs {
             let seq = self.scheduler.get(s.id).expect("scheduled sequences run");
             if s.len == 1 && s.start + 1 == seq.tokens.len() && seq.num_output() > 0 {
-                self.last_step.decode_tokens += 1;
+                info.decode_tokens += 1;
             } else {
-                self.last_step.prefill_tokens += s.len;
+                info.prefill_tokens += s.len;
             }
-        }
-        for s in &out.seqs {
             let st = self.seqs.get_mut(&s.id).expect("every sequence has state");
             if let Some(arrival) = st.arrival.take() {
                 st.queue_time = Some(arrival.elapsed());
@@ -574,8 +635,9 @@ impl<B: Backend> Engine<B> {
                 .iter()
                 .all(|id| self.seqs[id].sampler.params().logprobs.is_none());
         let started = Instant::now();
-        let picked = if greedy {
-            Sampled::Tokens(self.runner.execute_greedy(&input)?)
+        let picks = if greedy {
+            self.runner.submit(&input, None)?;
+            Picks::Ids
         } else if on_device {
             let mut rows = Vec::with_capacity(sampled.len());
             let mut edits = vec![];
@@ -587,17 +649,43 @@ impl<B: Backend> Engine<B> {
                     .device_row(&seq.tokens, seq.num_output(), &mut edits);
                 rows.push(row);
             }
-            Sampled::Tokens(self.runner.execute_sampled(&input, &rows, &edits)?)
+            self.runner.submit(&input, Some((&rows, &edits)))?;
+            Picks::Ids
         } else {
-            Sampled::Logits(self.runner.execute(&input)?)
+            self.runner.submit(&input, None)?;
+            Picks::Logits
         };
-        self.last_step.execute = started.elapsed();
-        let ready = self.scheduler.commit(&out);
-        debug_assert_eq!(ready, sampled);
+        let in_runner = started.elapsed();
+        self.in_flight = Some(InFlight {
+            out,
+            sampled,
+            picks,
+            info,
+        });
+        Ok(in_runner)
+    }
+
+    /// Waits for a submitted step and reads back its tokens, or its sampled rows' logits.
+    fn read_back(&self, f: &InFlight) -> Result<Sampled> {
+        let rows = f.sampled.len();
+        Ok(match f.picks {
+            Picks::Ids => Sampled::Tokens(self.runner.picked_ids(rows)?),
+            Picks::Logits => Sampled::Logits(self.runner.logits(rows)?),
+        })
+    }
+
+    /// Commits a step that has run: its computed tokens, and the token of each sampled
+    /// sequence, which a stop token or `max_tokens` may end here (so that the next step
+    /// does not run it).
+    fn commit(&mut self, f: InFlight, picked: Sampled) -> Vec<NewToken> {
+        let ready = self.scheduler.commit(&f.out);
         let vocab = self.runner.vocab_size();
-        let mut deltas = Vec::with_capacity(sampled.len());
-        for (k, id) in sampled.into_iter().enumerate() {
-            let seq = self.scheduler.get(id).expect("sampled sequences run");
+        let mut tokens = Vec::with_capacity(f.sampled.len());
+        for (k, id) in f.sampled.into_iter().enumerate() {
+            // A stop string or an abort ended this sequence while the step ran.
+            let Some(seq) = self.scheduler.get(id) else {
+                continue;
+            };
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
             let (token, logprobs) = match &picked {
                 Sampled::Tokens(ids) => (ids[k], None),
@@ -608,43 +696,65 @@ impl<B: Backend> Engine<B> {
                         .sample(&mut row, &seq.tokens, seq.num_output())
                 }
             };
+            let num_output = seq.num_output() + 1;
+            let p = state.sampler.params();
+            let stop_token = num_output >= p.min_tokens && state.sampler.is_stop_token(token);
+            let at_length = num_output >= p.max_tokens;
+            let request_id = state.request_id;
             self.scheduler.append(id, token);
-            let seq = self.scheduler.get(id).expect("still running");
-            let delta = Self::advance(&self.tokenizer, state, seq, token, logprobs)?;
-            let request_id = delta.request_id;
+            if stop_token || at_length {
+                self.scheduler.remove(id);
+            }
+            self.release_siblings(request_id, id);
+            tokens.push(NewToken {
+                id,
+                token,
+                logprobs,
+                num_output,
+                stop_token,
+                at_length,
+            });
+        }
+        debug_assert_eq!(ready, tokens.iter().map(|t| t.id).collect::<Vec<_>>());
+        tokens
+    }
+
+    /// Detokenizes committed tokens into deltas; a stop string ends its sequence here.
+    fn deliver(&mut self, tokens: Vec<NewToken>) -> Result<Vec<SeqDelta>> {
+        let mut deltas = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            let state = self
+                .seqs
+                .get_mut(&t.id)
+                .expect("committed sequences have state");
+            let id = t.id;
+            let delta = Self::advance(&self.tokenizer, state, t)?;
             if delta.finish_reason.is_some() {
-                self.finish_seq(request_id, id);
+                self.finish_seq(delta.request_id, id);
             }
             deltas.push(delta);
-            self.release_siblings(request_id, id);
         }
         Ok(deltas)
     }
 
-    /// Folds a new token into a sequence's text, checking EOS, stop strings and length.
-    fn advance(
-        tok: &Tokenizer,
-        st: &mut SeqState,
-        seq: &Sequence,
-        token: u32,
-        logprobs: Option<TokenLogprobs>,
-    ) -> Result<SeqDelta> {
+    /// Folds a new token into a sequence's text, checking stop strings, and says whether
+    /// and why the sequence ends.
+    fn advance(tok: &Tokenizer, st: &mut SeqState, t: NewToken) -> Result<SeqDelta> {
         let p = st.sampler.params();
-        let n = seq.num_output();
         let mut finish = None;
-        if n >= p.min_tokens && st.sampler.is_stop_token(token) {
+        if t.stop_token {
             finish = Some(FinishReason::Stop);
         } else {
             let before = st.text.len();
-            st.text.push_str(&st.detok.push(tok, token)?);
-            if n >= p.min_tokens {
+            st.text.push_str(&st.detok.push(tok, t.token)?);
+            if t.num_output >= p.min_tokens {
                 if let Some(cut) = find_stop(&st.text, &p.stop, before) {
                     st.text.truncate(cut);
                     finish = Some(FinishReason::Stop);
                 }
             }
         }
-        if finish.is_none() && n >= p.max_tokens {
+        if finish.is_none() && t.at_length {
             finish = Some(FinishReason::Length);
         }
         if finish == Some(FinishReason::Length) {
@@ -665,9 +775,9 @@ impl<B: Backend> Engine<B> {
         Ok(SeqDelta {
             request_id: st.request_id,
             index: st.index,
-            token_ids: vec![token],
+            token_ids: vec![t.token],
             text,
-            logprobs: logprobs.into_iter().collect(),
+            logprobs: t.logprobs.into_iter().collect(),
             finish_reason: finish,
             queue_time: st.queue_time.take(),
         })

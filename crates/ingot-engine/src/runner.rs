@@ -144,37 +144,26 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Runs one step and returns `[logits_indices.len(), vocab]` logits.
     pub fn execute(&mut self, input: &StepInput) -> Result<Vec<f32>> {
-        self.run(input)?;
-        let n = input.logits_indices.len() * self.vocab_size();
-        self.backend.download_f32(&self.acts.logits, n)
+        self.submit(input, None)?;
+        self.logits(input.logits_indices.len())
     }
 
-    /// Runs one step and returns the greedy token of each row of `logits_indices`, picked
-    /// on the device so that only the ids come back.
-    pub fn execute_greedy(&mut self, input: &StepInput) -> Result<Vec<u32>> {
-        self.run(input)?;
-        self.picked_ids(input.logits_indices.len())
-    }
-
-    /// The token ids the device picked for the first `n` sampled rows.
-    fn picked_ids(&self, n: usize) -> Result<Vec<u32>> {
-        let ids = self.backend.download_i32(&self.greedy, n)?;
-        Ok(ids.into_iter().map(|t| t as u32).collect())
-    }
-
-    /// Runs one step and picks each row's token on the device with its [`SampleRow`] and
-    /// edits, so that only the ids come back.
-    pub fn execute_sampled(
+    /// Queues one step on the device and returns without waiting for it: the logits of
+    /// the sampled rows, and each row's token picked on the device — greedy, or drawn with
+    /// its [`SampleRow`] and edits when `sampling` is given.
+    pub fn submit(
         &mut self,
         input: &StepInput,
-        rows: &[SampleRow],
-        edits: &[LogitEdit],
-    ) -> Result<Vec<u32>> {
+        sampling: Option<(&[SampleRow], &[LogitEdit])>,
+    ) -> Result<()> {
+        self.run(input)?;
+        let Some((rows, edits)) = sampling else {
+            return Ok(());
+        };
         ensure!(
             rows.len() == input.logits_indices.len(),
             "one sample row per sampled token"
         );
-        self.run(input)?;
         let b = &self.backend;
         if edits.len() > self.logit_edits_capacity {
             self.logit_edits_capacity = edits.len().next_power_of_two();
@@ -193,7 +182,21 @@ impl<B: Backend> ModelRunner<B> {
                 &mut self.greedy,
             )
         });
-        self.picked_ids(rows.len())
+        Ok(())
+    }
+
+    /// The tokens the device picked for the first `n` sampled rows of the last submitted
+    /// step, once it has run.
+    pub fn picked_ids(&self, n: usize) -> Result<Vec<u32>> {
+        let ids = self.backend.download_i32(&self.greedy, n)?;
+        Ok(ids.into_iter().map(|t| t as u32).collect())
+    }
+
+    /// The logits of the first `rows` sampled rows of the last submitted step, once it has
+    /// run.
+    pub fn logits(&self, rows: usize) -> Result<Vec<f32>> {
+        self.backend
+            .download_f32(&self.acts.logits, rows * self.vocab_size())
     }
 
     fn validate(&self, input: &StepInput) -> Result<()> {

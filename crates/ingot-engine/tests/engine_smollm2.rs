@@ -225,7 +225,12 @@ fn token_cap_rejects_overlong_prompts_without_disturbing_others() {
     let inflight = c[100..120].to_vec();
     let want = run(&mut e, std::slice::from_ref(&inflight), &greedy(8)).remove(0);
     e.add_request(1, inflight, greedy(8)).unwrap();
-    e.step().unwrap();
+    let mut got: Vec<u32> = e
+        .step()
+        .unwrap()
+        .into_iter()
+        .flat_map(|d| d.token_ids)
+        .collect();
     for len in [64, 65] {
         let err = e
             .add_request(2, c[..len].to_vec(), greedy(1))
@@ -233,15 +238,73 @@ fn token_cap_rejects_overlong_prompts_without_disturbing_others() {
             .to_string();
         assert!(err.contains("maximum context length is 64 tokens"), "{err}");
     }
-    let mut got = vec![];
     while e.has_work() {
         got.extend(e.step().unwrap().into_iter().flat_map(|d| d.token_ids));
     }
+    assert_eq!(got, want, "the in-flight request continues undisturbed");
+    assert_idle(&e);
+}
+
+/// Steps overlap: a call submits the next step before it detokenizes the last one's
+/// tokens, so a sequence that a stop string or an abort ends has a step in flight. That
+/// step's token is dropped, its blocks are freed, and the other sequences go on unchanged.
+#[test]
+fn sequences_ended_with_a_step_in_flight_drop_its_token() {
+    let Some(mut e) = engine(WeightDType::Auto, config(2048, 256, true)) else {
+        return;
+    };
+    let ps = prompts(&[40, 25]);
+    let alone = run(&mut e, &ps, &greedy(12));
+    e.add_request(9, ps[0].clone(), greedy(12)).unwrap();
+    let mut deltas = vec![];
+    while e.has_work() {
+        deltas.extend(e.step().unwrap());
+    }
+    // A stop string that the 5th token completes: its text without the first character.
+    let text4: String = deltas[..4].iter().map(|d| d.text.as_str()).collect();
+    let stop: String = deltas[4].text.chars().skip(1).collect();
+    assert!(!stop.is_empty() && !text4.contains(&stop));
+    let stopping = SamplingParams {
+        stop: vec![stop],
+        ..greedy(12)
+    };
+    e.add_request(0, ps[0].clone(), stopping).unwrap();
+    e.add_request(1, ps[1].clone(), greedy(12)).unwrap();
+    let mut got = [vec![], vec![]];
+    let mut finish = [None, None];
+    while e.has_work() {
+        for d in e.step().unwrap() {
+            got[d.request_id as usize].extend(d.token_ids);
+            finish[d.request_id as usize] = d.finish_reason;
+        }
+    }
+    assert_eq!(got[0], alone[0][..5], "no token after the stop string");
+    assert_eq!(finish[0], Some(FinishReason::Stop));
+    assert_eq!(got[1], alone[1], "the other request is undisturbed");
+    assert_idle(&e);
+
+    e.add_request(2, ps[0].clone(), greedy(12)).unwrap();
+    e.add_request(3, ps[1].clone(), greedy(12)).unwrap();
+    let mut got = vec![];
+    for _ in 0..4 {
+        got.extend(e.step().unwrap());
+    }
+    assert!(e.abort(2), "aborted with a step in flight");
+    while e.has_work() {
+        got.extend(e.step().unwrap());
+    }
+    let tokens = |id| -> Vec<u32> {
+        got.iter()
+            .filter(|d| d.request_id == id)
+            .flat_map(|d| d.token_ids.clone())
+            .collect()
+    };
     assert_eq!(
-        got[..],
-        want[1..],
-        "the in-flight request continues undisturbed"
+        tokens(2),
+        alone[0][..3],
+        "the aborted request's last step is dropped"
     );
+    assert_eq!(tokens(3), alone[1]);
     assert_idle(&e);
 }
 

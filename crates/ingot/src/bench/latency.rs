@@ -62,7 +62,8 @@ pub(crate) struct Iteration {
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
     /// Share of the decode steps' time spent outside the model runner (scheduling,
-    /// sampling, detokenization).
+    /// sampling, detokenization); on a device that runs steps asynchronously, most of it
+    /// overlaps the device's work on the next step.
     pub decode_host_share: f64,
 }
 
@@ -94,8 +95,10 @@ pub(crate) fn timed_batch<B: Backend>(
         let t = Instant::now();
         let deltas = engine.step()?;
         let took = t.elapsed();
+        // The call's time is the interval in which the step whose deltas it returns
+        // finished: steps overlap the host's work with the device's.
         let info = engine.last_step();
-        if info.prefill_tokens == 0 {
+        if info.decode_tokens > 0 && info.prefill_tokens == 0 {
             decode_tokens += info.decode_tokens;
             decode_time += took;
             decode_execute += info.execute;
