@@ -84,6 +84,13 @@ pub struct MatmulOut<'a, B: Backend + ?Sized> {
     pub col_offset: usize,
 }
 
+/// Scratch of [`Backend::gated_mlp`]: the gate/up product and the SiLU·mul, each written
+/// only where the backend needs it.
+pub struct MlpScratch<'a, B: Backend + ?Sized> {
+    pub gate_up: &'a mut B::Buffer,
+    pub act: &'a mut B::Buffer,
+}
+
 /// Device memory as the backend sees it, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -306,6 +313,34 @@ pub trait Backend: Send + Sync {
     ) {
         self.silu_mul(gate_up, m, ffn, act);
         self.matmul(act, w, None, m, n, ffn, out);
+    }
+
+    /// The gated MLP after its norm, `out = (silu(x · gateᵀ) * (x · upᵀ)) · downᵀ`, for
+    /// `gate_up` = `[gate; up]` (`2 * ffn` rows of `k` weights) and `down` (`n` rows of
+    /// `ffn`): [`Backend::matmul`] into `scratch.gate_up` (`[m, 2 * ffn]`), then
+    /// [`Backend::silu_mul_matmul`] through `scratch.act` (`[m, ffn]`). A backend fuses the
+    /// SiLU·mul where it pays: into the down product's reads, or the gate/up product's
+    /// writes.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_mlp(
+        &self,
+        x: &Self::Buffer,
+        gate_up: &Self::Buffer,
+        down: &Self::Buffer,
+        m: usize,
+        k: usize,
+        ffn: usize,
+        n: usize,
+        scratch: MlpScratch<'_, Self>,
+        out: MatmulOut<'_, Self>,
+    ) {
+        let gu = MatmulOut {
+            buf: &mut *scratch.gate_up,
+            row_stride: 2 * ffn,
+            col_offset: 0,
+        };
+        self.matmul(x, gate_up, None, m, 2 * ffn, k, gu);
+        self.silu_mul_matmul(scratch.gate_up, scratch.act, down, m, n, ffn, out);
     }
 
     /// f32 elements of scratch [`Backend::paged_attention`] needs for steps of up to

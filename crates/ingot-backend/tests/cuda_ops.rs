@@ -47,6 +47,12 @@ fn silu_mul_matmul_matches_the_cpu() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn gated_mlp_matches_the_cpu() {
+    conformance::gated_mlp_matches_the_cpu(&gpu(), &DTYPES);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn paged_attention_matches_the_cpu() {
     conformance::paged_attention_matches_the_cpu(&gpu(), &DTYPES);
 }

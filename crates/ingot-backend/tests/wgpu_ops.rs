@@ -80,6 +80,13 @@ fn silu_mul_matmul_matches_the_cpu() {
 }
 
 #[test]
+fn gated_mlp_matches_the_cpu() {
+    for g in backends() {
+        conformance::gated_mlp_matches_the_cpu(&g, &DTYPES);
+    }
+}
+
+#[test]
 fn paged_attention_matches_the_cpu() {
     for g in backends() {
         conformance::paged_attention_matches_the_cpu(&g, &DTYPES);

@@ -3,7 +3,7 @@
 use crate::config::ModelConfig;
 use crate::weights::Weights;
 use anyhow::Result;
-use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, QkvLayout};
+use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, MlpScratch, QkvLayout};
 
 /// The per-step inputs on the device. Sequence `s` owns token rows
 /// `query_start_loc[s]..query_start_loc[s+1]`; `logits_indices` picks the rows whose next
@@ -231,10 +231,11 @@ impl<B: Backend> Model<B> {
             layer.o.forward(b, &a.attn, t, &mut a.proj);
             let ffn_norm = &layer.ffn_norm;
             b.add_rms_norm(&mut a.hidden, &a.proj, ffn_norm, eps, t, d, &mut a.normed);
-            layer.gate_up.forward(b, &a.normed, t, &mut a.gate_up);
-            layer
-                .down
-                .forward_silu(b, &a.gate_up, &mut a.act, t, &mut a.proj);
+            let scratch = MlpScratch {
+                gate_up: &mut a.gate_up,
+                act: &mut a.act,
+            };
+            layer.mlp(b, &a.normed, t, scratch, &mut a.proj);
             match w.layers.get(i + 1) {
                 Some(next) => {
                     let norm = &next.attn_norm;

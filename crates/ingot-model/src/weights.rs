@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
-use ingot_backend::{Backend, DType, MatmulOut};
+use ingot_backend::{Backend, DType, MatmulOut, MlpScratch};
 use std::str::FromStr;
 
 /// `--dtype`: `Auto` keeps the checkpoint's type (GGUF stays quantized).
@@ -145,6 +145,36 @@ pub struct LayerWeights<B: Backend> {
     pub ffn_norm: B::Buffer,
     pub gate_up: Linear<B>,
     pub down: Linear<B>,
+}
+
+impl<B: Backend> LayerWeights<B> {
+    /// The gated MLP, `out = down(silu(gate(x)) * up(x))`: one [`Backend::gated_mlp`]
+    /// where gate/up and down are each one matrix without bias, so the backend can fuse.
+    pub fn mlp(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        rows: usize,
+        scratch: MlpScratch<'_, B>,
+        out: &mut B::Buffer,
+    ) {
+        match (self.gate_up.parts.as_slice(), self.down.parts.as_slice()) {
+            ([gu], [d]) if gu.bias.is_none() && d.bias.is_none() => {
+                let dst = MatmulOut {
+                    buf: out,
+                    row_stride: d.rows,
+                    col_offset: 0,
+                };
+                let (k, ffn) = (self.gate_up.in_features, self.down.in_features);
+                b.gated_mlp(x, &gu.weight, &d.weight, rows, k, ffn, d.rows, scratch, dst);
+            }
+            _ => {
+                self.gate_up.forward(b, x, rows, scratch.gate_up);
+                self.down
+                    .forward_silu(b, scratch.gate_up, scratch.act, rows, out);
+            }
+        }
+    }
 }
 
 pub struct Weights<B: Backend> {

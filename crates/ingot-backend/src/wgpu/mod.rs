@@ -12,7 +12,7 @@
 mod recorder;
 pub mod shader;
 
-use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, QkvLayout};
+use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MlpScratch, QkvLayout};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use recorder::Recorder;
 use shader::{Features, Kernel, WG};
@@ -397,6 +397,36 @@ impl WgpuBackend {
         (1u32 << (k / 8 / 4).max(1).ilog2()).clamp(4, 64)
     }
 
+    /// Records `gemv_wide` over the rows of `p` (matmul's parameters), GEMV_MAX_ROWS at a
+    /// time; with `silu_mul` the weights are `[gate; up]` and `p`'s n is the ffn width.
+    fn gemv_wide(
+        &self,
+        p: &[u32],
+        buffers: &[(u32, &wgpu::Buffer)],
+        w: DType,
+        silu_mul: bool,
+        op: impl Fn() -> String,
+    ) {
+        let (m, n, k) = (p[0] as usize, p[1] as usize, p[2] as usize);
+        let lanes = self.gemv_lanes(k);
+        let constants = [("WIDE_LANES", lanes), ("SILU_MUL", u32::from(silu_mul))];
+        let pipeline = self.pipeline(&shader::MATMUL, "gemv_wide", w, &constants);
+        // A workgroup takes WG / lanes columns of each of its two column sets.
+        let cols = (WG / lanes) as usize * if silu_mul { 1 } else { 2 };
+        for row0 in (0..m).step_by(GEMV_MAX_ROWS) {
+            let mut p = p.to_vec();
+            p[0] = (m - row0).min(GEMV_MAX_ROWS) as u32;
+            p.push(row0 as u32);
+            self.record(
+                pipeline.clone(),
+                &p,
+                buffers,
+                grid(n.div_ceil(cols)),
+                || format!("{} lanes={lanes}", op()),
+            );
+        }
+    }
+
     /// The largest buffer a kernel may bind: both limits apply to every buffer here.
     fn max_binding(&self) -> u64 {
         self.limits
@@ -720,25 +750,7 @@ impl Backend for WgpuBackend {
             (4, &out.buf.buf),
         ];
         if m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8) {
-            let lanes = self.gemv_lanes(k);
-            let pipeline = self.pipeline(
-                &shader::MATMUL,
-                "gemv_wide",
-                w.dtype,
-                &[("WIDE_LANES", lanes)],
-            );
-            for row0 in (0..m).step_by(GEMV_MAX_ROWS) {
-                let mut p = p.clone();
-                p[0] = (m - row0).min(GEMV_MAX_ROWS) as u32;
-                p.push(row0 as u32);
-                self.record(
-                    pipeline.clone(),
-                    &p,
-                    &wide,
-                    grid(n.div_ceil(2 * (WG / lanes) as usize)),
-                    || format!("{} lanes={lanes}", op("gemv_wide")),
-                );
-            }
+            self.gemv_wide(&p, &wide, w.dtype, false, || op("gemv_wide"));
         } else if m <= GEMV_MAX_ROWS {
             self.dispatch(
                 &shader::MATMUL,
@@ -757,6 +769,44 @@ impl Backend for WgpuBackend {
             let pipeline = self.pipeline(&shader::MATMUL, "gemm", w.dtype, &[]);
             self.record(pipeline, &p, &buffers, grid, || op("gemm"));
         }
+    }
+
+    /// Decode steps write `silu(gate) * up` from the gate/up GEMV (one dispatch and one
+    /// barrier less per layer than a separate `silu_mul`), then run the down product.
+    fn gated_mlp(
+        &self,
+        x: &WgpuBuffer,
+        gate_up: &WgpuBuffer,
+        down: &WgpuBuffer,
+        m: usize,
+        k: usize,
+        ffn: usize,
+        n: usize,
+        scratch: MlpScratch<'_, Self>,
+        out: MatmulOut<'_, Self>,
+    ) {
+        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
+            let gu = MatmulOut {
+                buf: &mut *scratch.gate_up,
+                row_stride: 2 * ffn,
+                col_offset: 0,
+            };
+            self.matmul(x, gate_up, None, m, 2 * ffn, k, gu);
+            return self.silu_mul_matmul(scratch.gate_up, scratch.act, down, m, n, ffn, out);
+        }
+        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
+        assert_eq!(scratch.act.dtype, DType::F32, "matmul writes f32");
+        let p = words(&[m, ffn, k, ffn, 0, 0]);
+        let buffers = [
+            (5, &x.buf),
+            (6, &gate_up.buf),
+            (3, &self.dummy),
+            (4, &scratch.act.buf),
+        ];
+        self.gemv_wide(&p, &buffers, gate_up.dtype, true, || {
+            format!("gemv_wide_silu_mul {} n={ffn} k={k}", gate_up.dtype)
+        });
+        self.matmul(scratch.act, down, None, m, n, ffn, out);
     }
 
     fn add_assign(&self, acc: &mut WgpuBuffer, x: &WgpuBuffer, numel: usize) {

@@ -15,7 +15,8 @@ use ingot_backend::quant::dequantize_row;
 use ingot_backend::quant::testing::random_quant_row;
 use ingot_backend::sampling;
 use ingot_backend::{
-    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
+    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, MlpScratch, QkvLayout,
+    SampleRow,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -678,6 +679,87 @@ pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                 &c.download_f32(&want, m * n).unwrap(),
                 dtype,
                 &format!("silu_mul_matmul {dtype}x{wd} m{m} n{n} ffn{ffn}"),
+            );
+        }
+    }
+}
+
+/// The gated MLP (gate/up product, SiLU·mul, down product) against the CPU's matmuls:
+/// decode batches within and past the GEMVs' rows, k with and without 16-byte pieces,
+/// widths that leave partial workgroups.
+pub fn gated_mlp_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(9);
+    for &dtype in d.activations {
+        // (m, k, ffn, n)
+        let shapes = [
+            (1, 64, 96, 64),
+            (1, 256, 1408, 256),
+            (3, 96, 37, 33),
+            (8, 128, 100, 48),
+            (9, 64, 264, 40),
+            (19, 40, 70, 24),
+            (64, 32, 96, 64),
+            (70, 64, 64, 32),
+        ];
+        for ((m, k, ffn, n), wd) in shapes
+            .into_iter()
+            .flat_map(|s| (d.weights)(dtype).into_iter().map(move |w| (s, w)))
+        {
+            let x = round(&randn(&mut rng, m * k), dtype);
+            let Some((gu_data, gu)) = matrix(&mut rng, wd, 2 * ffn, k) else {
+                continue;
+            };
+            let Some((down_data, down)) = matrix(&mut rng, wd, n, ffn) else {
+                continue;
+            };
+            let mut out = poisoned(g, dtype, m * n);
+            let (mut gu_s, mut act_s) =
+                (poisoned(g, dtype, m * 2 * ffn), poisoned(g, dtype, m * ffn));
+            g.gated_mlp(
+                &up(g, &x, dtype),
+                &up_raw(g, &gu_data, wd, 2 * ffn * k),
+                &up_raw(g, &down_data, wd, n * ffn),
+                m,
+                k,
+                ffn,
+                n,
+                MlpScratch {
+                    gate_up: &mut gu_s,
+                    act: &mut act_s,
+                },
+                MatmulOut {
+                    buf: &mut out,
+                    row_stride: n,
+                    col_offset: 0,
+                },
+            );
+            let mut want = c.alloc(DType::F32, m * n).unwrap();
+            let mut cgu = c.alloc(DType::F32, m * 2 * ffn).unwrap();
+            let mut cact = c.alloc(DType::F32, m * ffn).unwrap();
+            c.gated_mlp(
+                &up(&c, &x, DType::F32),
+                &up(&c, &gu, DType::F32),
+                &up(&c, &down, DType::F32),
+                m,
+                k,
+                ffn,
+                n,
+                MlpScratch {
+                    gate_up: &mut cgu,
+                    act: &mut cact,
+                },
+                MatmulOut {
+                    buf: &mut want,
+                    row_stride: n,
+                    col_offset: 0,
+                },
+            );
+            check(
+                &g.download_f32(&out, m * n).unwrap(),
+                &c.download_f32(&want, m * n).unwrap(),
+                dtype,
+                &format!("gated_mlp {dtype}x{wd} m{m} k{k} ffn{ffn} n{n}"),
             );
         }
     }

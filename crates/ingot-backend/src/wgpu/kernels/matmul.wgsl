@@ -86,9 +86,15 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 // flight; the x pieces it loads serve both. The host sets WIDE_LANES (a power of two, at
 // most 64) per product shape. The sums of a row do not depend on m (a row is computed the
 // same alone or in a batch).
+//
+// With SILU_MUL the weights are the gated MLP's [gate; up] (2n rows): a thread's two
+// columns are gate column j and up column n + j, and the workgroup writes
+// silu(gate) * up to column j (n columns of output, no bias). The sums are the same as
+// the plain product's, so the output equals gemv_wide then silu_mul.
 @group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
 override WIDE_LANES: u32 = 32u;
 override WIDE_COLS: u32 = WG / WIDE_LANES;
+override SILU_MUL: bool = false;
 // [column set][row][thread] sums, then a column's lane sums added 8 at a time, then those
 // (two short chains, not one of WIDE_LANES).
 var<workgroup> wide_partial: array<f32, 4096>;
@@ -121,7 +127,7 @@ fn dots4(r0: u32, last: u32, g: u32, w: W8, v: W8) -> Dots4 {
 fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
              @builtin(local_invocation_index) lid: u32) {
     let lane = lid % WIDE_LANES;
-    let col0 = (wg.y * nwg.x + wg.x) * 2u * WIDE_COLS;
+    let col0 = (wg.y * nwg.x + wg.x) * select(2u, 1u, SILU_MUL) * WIDE_COLS;
     let j = col0 + lid / WIDE_LANES;
     let groups = p.k / 8u;
     let l = WIDE_LANES;
@@ -134,7 +140,8 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
     var b_hi = vec4<f32>();
     if (j < p.n) {
         let base_a = j * groups;
-        let base_b = select(j, j + WIDE_COLS, j + WIDE_COLS < p.n) * groups;
+        let jb = select(j + WIDE_COLS, j + p.n, SILU_MUL);
+        let base_b = select(j, jb, SILU_MUL || jb < p.n) * groups;
         let last = p.m - 1u;
         var g = lane;
         if (p.m == 1u) {
@@ -222,6 +229,22 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         lane_sums[o] = t;
     }
     workgroupBarrier();
+    if (SILU_MUL) {
+        let up = WIDE_COLS * p.m * per;
+        for (var o = lid; o < WIDE_COLS * p.m; o += WG) {
+            let jj = col0 + o % WIDE_COLS;
+            if (jj < p.n) {
+                var g = 0.0;
+                var u = 0.0;
+                for (var i = 0u; i < per; i++) {
+                    g += lane_sums[o * per + i];
+                    u += lane_sums[up + o * per + i];
+                }
+                out[(p.row0 + o / WIDE_COLS) * p.ld + p.col + jj] = g / (1.0 + exp(-g)) * u;
+            }
+        }
+        return;
+    }
     for (var o = lid; o < 2u * WIDE_COLS * p.m; o += WG) {
         let in_set = o % (WIDE_COLS * p.m);
         let jj = col0 + (o / (WIDE_COLS * p.m)) * WIDE_COLS + in_set % WIDE_COLS;
