@@ -94,7 +94,8 @@ fn paged_attention_matches_the_cpu() {
 }
 
 /// Shapes the tiled attention kernels do not take (a query group of 16 heads, head_dim
-/// not a multiple of 8) run through the general one.
+/// not a multiple of 8) run through the general one; head_dim 256 takes the decode
+/// kernel's 16-key tiles and the general prefill kernel.
 #[test]
 fn attention_of_other_shapes_matches_the_cpu() {
     let layouts = [
@@ -107,6 +108,11 @@ fn attention_of_other_shapes_matches_the_cpu() {
             num_heads: 4,
             num_kv_heads: 2,
             head_dim: 36,
+        },
+        QkvLayout {
+            num_heads: 4,
+            num_kv_heads: 1,
+            head_dim: 256,
         },
     ];
     for g in backends() {

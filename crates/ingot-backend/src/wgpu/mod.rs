@@ -1064,11 +1064,12 @@ impl Backend for WgpuBackend {
         );
         // Output elements per thread: fewer registers where the group's block is small.
         let outs = (group * layout.head_dim).div_ceil(WG as usize) as u32;
+        let keys_per_tile = if layout.head_dim <= 128 { 32 } else { 16 };
         let pipeline = self.pipeline(
             &shader::ATTENTION,
             "decode",
             k_cache.dtype,
-            &[("OUTS", outs)],
+            &[("OUTS", outs), ("TN", keys_per_tile)],
         );
         self.record(
             pipeline,

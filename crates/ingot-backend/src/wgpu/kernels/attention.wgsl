@@ -130,6 +130,11 @@ fn put_piece(i: u32, w: W8) {
 
 // Output elements per thread in `decode`: group * head_dim / WG, rounded up (at most 8).
 override OUTS: u32 = 8u;
+// Keys per tile of `decode`: 32 for head_dim <= 128, 16 up to 256. A constant, so that its
+// loops over a tile's scores have a fixed count the compiler unrolls, issuing their
+// workgroup-memory loads together; a partial last tile is padded with zero keys and
+// values, which add nothing (scores past the split are masked, probabilities are 0).
+override TN: u32 = 32u;
 
 // Piece i of the value tile of `decode`, laid out as `put_piece` lays out keys.
 fn put_value_piece(i: u32, w: W8) {
@@ -200,7 +205,6 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
     let stride = hd4 + 1u;
     let pieces = hd / 8u;
     let group = p.q_heads / p.kv_heads;
-    let tn = select(16u, 32u, hd <= 128u);
     // The group's query heads are consecutive in the row: h = kvh * group + g.
     for (var i = lid; i < group * hd4; i += WG) {
         let at = seq * p.row_len + kvh * group * hd + 4u * i;
@@ -213,14 +217,20 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
     // Output element o = lid + WG * q of the group's [group, head_dim] block. The
     // barrier after the first tile's loads also covers the query and head_* writes.
     var acc: array<f32, 8>;
-    let g = lid / tn;
-    let t = lid % tn;
-    for (var t0 = t_begin; t0 < t_end; t0 += tn) {
-        let nt = min(tn, t_end - t0);
-        for (var i = lid; i < nt * pieces; i += WG) {
-            let at = cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces;
-            put_piece(i, kc_at8(at));
-            put_value_piece(i, vc_at8(at));
+    let g = lid / TN;
+    let t = lid % TN;
+    for (var t0 = t_begin; t0 < t_end; t0 += TN) {
+        let nt = min(TN, t_end - t0);
+        for (var i = lid; i < TN * pieces; i += WG) {
+            var kp = W8(vec4<f32>(), vec4<f32>());
+            var vp = kp;
+            if (i < nt * pieces) {
+                let at = cache_index(seq, t0 + i / pieces, kvh) / 8u + i % pieces;
+                kp = kc_at8(at);
+                vp = vc_at8(at);
+            }
+            put_piece(i, kp);
+            put_value_piece(i, vp);
         }
         workgroupBarrier();
         if (g < group) {
@@ -235,7 +245,7 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             sc[lid] = s;
         }
         workgroupBarrier();
-        update_max(lid, group, nt, tn);
+        update_max(lid, group, TN, TN);
         workgroupBarrier();
         if (g < group) {
             var pr = 0.0;
@@ -245,15 +255,15 @@ fn decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
             sc[lid] = pr;
         }
         workgroupBarrier();
-        update_sum(lid, group, nt, tn);
+        update_sum(lid, group, TN, TN);
         for (var q = 0u; q < OUTS; q++) {
             let o = lid + q * WG;
             if (o < group * hd) {
                 let gg = o / hd;
                 let d = o % hd;
                 var a = acc[q] * head_corr[gg];
-                for (var j = 0u; j < nt; j++) {
-                    a += sc[gg * tn + j] * vtile[j * stride + d / 4u][d % 4u];
+                for (var j = 0u; j < TN; j++) {
+                    a += sc[gg * TN + j] * vtile[j * stride + d / 4u][d % 4u];
                 }
                 acc[q] = a;
             }
