@@ -91,6 +91,31 @@ pub struct MlpScratch<'a, B: Backend + ?Sized> {
     pub act: &'a mut B::Buffer,
 }
 
+/// [`Backend::gated_mlp`]'s default: [`Backend::matmul`] into `scratch.gate_up`, then
+/// [`Backend::silu_mul_matmul`]; also the path of a backend whose fusion does not take the
+/// shape.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_mlp_in_two_products<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buffer,
+    gate_up: &B::Buffer,
+    down: &B::Buffer,
+    m: usize,
+    k: usize,
+    ffn: usize,
+    n: usize,
+    scratch: MlpScratch<'_, B>,
+    out: MatmulOut<'_, B>,
+) {
+    let gu = MatmulOut {
+        buf: &mut *scratch.gate_up,
+        row_stride: 2 * ffn,
+        col_offset: 0,
+    };
+    b.matmul(x, gate_up, None, m, 2 * ffn, k, gu);
+    b.silu_mul_matmul(scratch.gate_up, scratch.act, down, m, n, ffn, out);
+}
+
 /// Device memory as the backend sees it, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -334,13 +359,7 @@ pub trait Backend: Send + Sync {
         scratch: MlpScratch<'_, Self>,
         out: MatmulOut<'_, Self>,
     ) {
-        let gu = MatmulOut {
-            buf: &mut *scratch.gate_up,
-            row_stride: 2 * ffn,
-            col_offset: 0,
-        };
-        self.matmul(x, gate_up, None, m, 2 * ffn, k, gu);
-        self.silu_mul_matmul(scratch.gate_up, scratch.act, down, m, n, ffn, out);
+        gated_mlp_in_two_products(self, x, gate_up, down, m, k, ffn, n, scratch, out);
     }
 
     /// f32 elements of scratch [`Backend::paged_attention`] needs for steps of up to

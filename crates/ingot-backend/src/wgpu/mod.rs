@@ -806,13 +806,9 @@ impl Backend for WgpuBackend {
         out: MatmulOut<'_, Self>,
     ) {
         if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
-            let gu = MatmulOut {
-                buf: &mut *scratch.gate_up,
-                row_stride: 2 * ffn,
-                col_offset: 0,
-            };
-            self.matmul(x, gate_up, None, m, 2 * ffn, k, gu);
-            return self.silu_mul_matmul(scratch.gate_up, scratch.act, down, m, n, ffn, out);
+            return crate::gated_mlp_in_two_products(
+                self, x, gate_up, down, m, k, ffn, n, scratch, out,
+            );
         }
         assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
         assert_eq!(scratch.act.dtype, DType::F32, "matmul writes f32");
