@@ -162,6 +162,16 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Whether models loaded here fold each RMSNorm's weights into the matrices that read
+    /// its output (`w[j, c] * g[c]`, rounded to the matrix dtype) and run their layers
+    /// through [`Backend::rms_norm_matmul`], [`Backend::matmul_add`] and
+    /// [`Backend::rms_norm_gated_mlp_add`]: a GPU then computes a norm inside the product
+    /// that reads it (the product reads the whole row anyway) instead of in a kernel of its
+    /// own, which costs a decode step a dispatch and a barrier per norm.
+    fn folds_norm_weights(&self) -> bool {
+        false
+    }
+
     fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<Self::Buffer>;
     /// Copies raw bytes in the buffer's own layout into the start of `dst`.
     fn upload(&self, dst: &mut Self::Buffer, bytes: &[u8]) -> anyhow::Result<()>;
@@ -360,6 +370,77 @@ pub trait Backend: Send + Sync {
         out: MatmulOut<'_, Self>,
     ) {
         gated_mlp_in_two_products(self, x, gate_up, down, m, k, ffn, n, scratch, out);
+    }
+
+    /// `out = rms_norm(x) · wᵀ (+ bias)` for a norm whose weights are folded into `w`
+    /// (`unit` holds `k` ones): [`Backend::rms_norm`] into `normed` (`[m, k]`), then
+    /// [`Backend::matmul`].
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul(
+        &self,
+        x: &Self::Buffer,
+        unit: &Self::Buffer,
+        eps: f32,
+        w: &Self::Buffer,
+        bias: Option<&Self::Buffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        normed: &mut Self::Buffer,
+        out: MatmulOut<'_, Self>,
+    ) {
+        self.rms_norm(x, unit, eps, m, k, normed);
+        self.matmul(normed, w, bias, m, n, k, out);
+    }
+
+    /// `acc += x · wᵀ` (rows of `n`): [`Backend::matmul`] into `product`, then
+    /// [`Backend::add_assign`].
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_add(
+        &self,
+        x: &Self::Buffer,
+        w: &Self::Buffer,
+        m: usize,
+        n: usize,
+        k: usize,
+        product: &mut Self::Buffer,
+        acc: &mut Self::Buffer,
+    ) {
+        let out = MatmulOut {
+            buf: &mut *product,
+            row_stride: n,
+            col_offset: 0,
+        };
+        self.matmul(x, w, None, m, n, k, out);
+        self.add_assign(acc, product, m * n);
+    }
+
+    /// `residual += gated_mlp(rms_norm(residual))` for a norm whose weights are folded into
+    /// `gate_up` (`unit` holds `k` ones; `down` has `k` rows): [`Backend::rms_norm`] into
+    /// `normed`, [`Backend::gated_mlp`] into `product`, then [`Backend::add_assign`].
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_gated_mlp_add(
+        &self,
+        residual: &mut Self::Buffer,
+        unit: &Self::Buffer,
+        eps: f32,
+        gate_up: &Self::Buffer,
+        down: &Self::Buffer,
+        m: usize,
+        k: usize,
+        ffn: usize,
+        scratch: MlpScratch<'_, Self>,
+        normed: &mut Self::Buffer,
+        product: &mut Self::Buffer,
+    ) {
+        self.rms_norm(residual, unit, eps, m, k, normed);
+        let out = MatmulOut {
+            buf: &mut *product,
+            row_stride: k,
+            col_offset: 0,
+        };
+        self.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
+        self.add_assign(residual, product, m * k);
     }
 
     /// f32 elements of scratch [`Backend::paged_attention`] needs for steps of up to

@@ -127,3 +127,40 @@ fn dtype_flag_converts_f32_checkpoints_at_load() {
         std::fs::remove_dir_all(&low_dir).ok();
     }
 }
+
+/// A model loaded with its norm weights folded into the matrices after them (as wgpu loads
+/// it) against the same model loaded as is, both on the CPU: at f32 the fold moves logits
+/// by f32 rounding; with 16-bit weights by the rounding of `w · g` to the weight dtype
+/// (one rounding of each folded weight, the size of the checkpoint's own).
+#[test]
+fn folded_norms_change_logits_by_rounding_alone() {
+    use ingot_backend::cpu::CpuBackend;
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for (stored, tol) in [(Dtype::F32, 1e-5), (Dtype::F16, 1e-3), (Dtype::BF16, 1e-2)] {
+            let spec = SyntheticSpec {
+                dtype: stored,
+                ..SyntheticSpec::tiny(arch)
+            };
+            let dir = temp_dir(&format!("folded-{arch:?}-{stored:?}"));
+            spec.write(&dir).unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+            let seqs: Vec<Vec<u32>> = [1usize, 16, 17, 40]
+                .iter()
+                .map(|&n| {
+                    (0..n)
+                        .map(|_| rng.random_range(0..spec.vocab_size as u32))
+                        .collect()
+                })
+                .collect();
+            let auto = WeightDType::Auto;
+            let mut plain = common::runner(&dir, auto, 24, 4, 512, 64);
+            let folding = CpuBackend::new(None).unwrap().folding_norm_weights(true);
+            let mut folded = common::runner_on(folding, &dir, auto, 24, 4, 512, 64);
+            assert!(folded.model.weights.unit_norm.is_some());
+            let (rows, worst) = common::mixed_logit_error(&mut plain, &mut folded, &seqs);
+            println!("{arch:?} {stored:?}: {rows} logit rows, max relative error {worst:.2e}");
+            assert!(worst <= tol, "{arch:?} {stored:?}: {worst}");
+            std::fs::remove_dir_all(&dir).ok();
+        }
+    }
+}

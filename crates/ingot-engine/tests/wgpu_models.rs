@@ -109,7 +109,8 @@ fn matrices_split_over_buffers_match_the_cpu() {
             .iter()
             .map(|&n| (0..n).map(|i| (i * 37 + n) % 4099).collect())
             .collect();
-        let mut cpu = common::runner(&dir, WeightDType::Auto, 24, 4, 512, 64);
+        let reference = common::cpu_reference_of(&g);
+        let mut cpu = common::runner_on(reference, &dir, WeightDType::Auto, 24, 4, 512, 64);
         let mut gpu = common::runner_on(g, &dir, WeightDType::Auto, 24, 4, 512, 64);
         let embed_parts = gpu.model.weights.embed.parts.len();
         assert!(

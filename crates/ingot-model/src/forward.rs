@@ -198,9 +198,22 @@ impl<B: Backend> Model<B> {
         let a = acts;
         let eps = cfg.rms_norm_eps;
         w.embed.lookup(b, &step.token_ids, t, &mut a.hidden);
-        b.rms_norm(&a.hidden, &w.layers[0].attn_norm, eps, t, d, &mut a.normed);
+        // With the norms folded into the products after them, each layer reads the residual
+        // stream and adds into it; otherwise add + norm kernels sit between the products.
+        let folded = w.unit_norm.as_ref();
+        if folded.is_none() {
+            b.rms_norm(&a.hidden, &w.layers[0].attn_norm, eps, t, d, &mut a.normed);
+        }
         for (i, (layer, (kc, vc))) in w.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
-            layer.qkv.forward(b, &a.normed, t, &mut a.qkv);
+            match folded {
+                Some(unit) => {
+                    let normed = &mut a.normed;
+                    layer
+                        .qkv
+                        .forward_normed(b, &a.hidden, unit, eps, t, normed, &mut a.qkv);
+                }
+                None => layer.qkv.forward(b, &a.normed, t, &mut a.qkv),
+            }
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
             }
@@ -228,6 +241,18 @@ impl<B: Backend> Model<B> {
                 &mut a.attn_workspace,
                 &mut a.attn,
             );
+            if let Some(unit) = folded {
+                layer
+                    .o
+                    .forward_add(b, &a.attn, t, &mut a.proj, &mut a.hidden);
+                let scratch = MlpScratch {
+                    gate_up: &mut a.gate_up,
+                    act: &mut a.act,
+                };
+                let (normed, proj) = (&mut a.normed, &mut a.proj);
+                layer.mlp_add(b, &mut a.hidden, unit, eps, t, scratch, normed, proj);
+                continue;
+            }
             layer.o.forward(b, &a.attn, t, &mut a.proj);
             let ffn_norm = &layer.ffn_norm;
             b.add_rms_norm(&mut a.hidden, &a.proj, ffn_norm, eps, t, d, &mut a.normed);

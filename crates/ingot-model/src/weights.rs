@@ -95,6 +95,58 @@ impl<B: Backend> Linear<B> {
         }
     }
 
+    /// `out = rms_norm(x) · Wᵀ + b` for a norm folded into W (`unit`: its weights, ones):
+    /// one [`Backend::rms_norm_matmul`] for a matrix in one part; otherwise the norm into
+    /// `normed`, then the parts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_normed(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        unit: &B::Buffer,
+        eps: f32,
+        rows: usize,
+        normed: &mut B::Buffer,
+        out: &mut B::Buffer,
+    ) {
+        let k = self.in_features;
+        match self.parts.as_slice() {
+            [p] => {
+                let dst = MatmulOut {
+                    buf: out,
+                    row_stride: p.rows,
+                    col_offset: 0,
+                };
+                let bias = p.bias.as_ref();
+                b.rms_norm_matmul(x, unit, eps, &p.weight, bias, rows, p.rows, k, normed, dst);
+            }
+            _ => {
+                b.rms_norm(x, unit, eps, rows, k, normed);
+                self.forward(b, normed, rows, out);
+            }
+        }
+    }
+
+    /// `acc += x · Wᵀ + b`, through `product` where the backend needs it.
+    pub fn forward_add(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        rows: usize,
+        product: &mut B::Buffer,
+        acc: &mut B::Buffer,
+    ) {
+        match self.parts.as_slice() {
+            [p] if p.bias.is_none() => {
+                b.matmul_add(x, &p.weight, rows, p.rows, self.in_features, product, acc);
+            }
+            _ => {
+                self.forward(b, x, rows, product);
+                b.add_assign(acc, product, rows * self.out_features());
+            }
+        }
+    }
+
     /// `out[i] = W[ids[i]]`: the matrix read as an embedding table, part by part.
     pub fn lookup(&self, b: &B, ids: &B::Buffer, n: usize, out: &mut B::Buffer) {
         let mut first = 0;
@@ -177,6 +229,37 @@ impl<B: Backend> LayerWeights<B> {
             }
         }
     }
+
+    /// `residual += mlp(rms_norm(residual))` with the norm folded into gate/up (`unit`: its
+    /// weights, ones): one [`Backend::rms_norm_gated_mlp_add`] where [`LayerWeights::mlp`]
+    /// is one gated MLP; otherwise the norm into `normed`, the MLP into `product`, the add.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mlp_add(
+        &self,
+        b: &B,
+        residual: &mut B::Buffer,
+        unit: &B::Buffer,
+        eps: f32,
+        rows: usize,
+        scratch: MlpScratch<'_, B>,
+        normed: &mut B::Buffer,
+        product: &mut B::Buffer,
+    ) {
+        let (k, ffn) = (self.gate_up.in_features, self.down.in_features);
+        match (self.gate_up.parts.as_slice(), self.down.parts.as_slice()) {
+            ([gu], [d]) if gu.bias.is_none() && d.bias.is_none() && d.rows == k => {
+                let (gu, d) = (&gu.weight, &d.weight);
+                b.rms_norm_gated_mlp_add(
+                    residual, unit, eps, gu, d, rows, k, ffn, scratch, normed, product,
+                );
+            }
+            _ => {
+                b.rms_norm(residual, unit, eps, rows, k, normed);
+                self.mlp(b, normed, rows, scratch, product);
+                b.add_assign(residual, product, rows * self.down.out_features());
+            }
+        }
+    }
 }
 
 pub struct Weights<B: Backend> {
@@ -190,6 +273,10 @@ pub struct Weights<B: Backend> {
     pub final_norm: B::Buffer,
     /// `None` when the output projection is tied to the embedding.
     pub lm_head: Option<Linear<B>>,
+    /// Where the layers' norm weights are folded into their qkv and gate/up matrices
+    /// ([`Backend::folds_norm_weights`]): `hidden_size` ones, the weights those norms then
+    /// take.
+    pub unit_norm: Option<B::Buffer>,
     pub bytes: usize,
 }
 
@@ -206,11 +293,12 @@ struct Loader<'a, B: Backend> {
 /// Elements converted per task: a multiple of every block length (32, 256).
 const CONVERT_CHUNK: usize = 1 << 16;
 
-/// `t`'s values in the float dtype `target` (quantized data dequantized), converted on all
+/// `t`'s values in the float dtype `target` (quantized data dequantized), each multiplied
+/// by `scale[c]` of its column `c` where `scale` is given (a folded norm), converted on all
 /// cores: one thread took ~1.3 s for Qwen2-0.5B's bf16 weights to f16 on a 2-core VM, so
 /// most of a minute for an 8B model.
-fn convert(t: &HostTensor<'_>, target: DType) -> Vec<u8> {
-    if t.dtype == target {
+fn convert(t: &HostTensor<'_>, target: DType, scale: Option<&[f32]>) -> Vec<u8> {
+    if t.dtype == target && scale.is_none() {
         return t.data.to_vec();
     }
     let width = target.bytes_for(1);
@@ -222,6 +310,11 @@ fn convert(t: &HostTensor<'_>, target: DType) -> Vec<u8> {
             let src = &t.data[t.dtype.bytes_for(first)..t.dtype.bytes_for(first + len)];
             let mut vals = vec![0f32; len];
             dequantize_row(t.dtype, src, &mut vals);
+            if let Some(scale) = scale {
+                for (i, v) in vals.iter_mut().enumerate() {
+                    *v *= scale[(first + i) % scale.len()];
+                }
+            }
             let pieces = dst.chunks_exact_mut(width).zip(vals);
             match target {
                 DType::F32 => pieces.for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
@@ -275,6 +368,16 @@ impl<'a, B: Backend> Loader<'a, B> {
 
     /// A 1-D weight (norm or bias) as f32, checked to have `len` values.
     fn vector(&mut self, t: &HostTensor<'_>, len: usize, what: &str) -> Result<B::Buffer> {
+        Ok(self.vector_and_values(t, len, what)?.0)
+    }
+
+    /// [`Loader::vector`] and its values on the host (a norm to fold).
+    fn vector_and_values(
+        &mut self,
+        t: &HostTensor<'_>,
+        len: usize,
+        what: &str,
+    ) -> Result<(B::Buffer, Vec<f32>)> {
         ensure!(
             t.numel() == len,
             "{what}: expected {len} values, found shape {:?}",
@@ -282,7 +385,8 @@ impl<'a, B: Backend> Loader<'a, B> {
         );
         let data = self.rounded_f32(t.to_f32());
         self.ckpt.release(t);
-        self.upload(DType::F32, len, bytemuck::cast_slice(&data))
+        let buf = self.upload(DType::F32, len, bytemuck::cast_slice(&data))?;
+        Ok((buf, data))
     }
 
     /// The dtype a matrix is kept in on the backend.
@@ -291,11 +395,15 @@ impl<'a, B: Backend> Loader<'a, B> {
             .weight_dtype(self.dtype.apply(t.dtype), self.activation)
     }
 
-    /// Stacks matrices with the same input width into as few parts as their dtypes allow.
+    /// Stacks matrices with the same input width into as few parts as their dtypes allow;
+    /// with `norm`, the weights of the norm before them folded in (column `c` times
+    /// `norm[c]`), which needs float matrices: a block-format one is kept in the activation
+    /// dtype.
     fn linear(
         &mut self,
         mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
         in_features: usize,
+        norm: Option<&[f32]>,
         what: &str,
     ) -> Result<Linear<B>> {
         let mut parts: Vec<LinearPart<B>> = vec![];
@@ -308,7 +416,14 @@ impl<'a, B: Backend> Loader<'a, B> {
                 "{what}: expected shape [{rows}, {in_features}], found {:?}",
                 w.shape
             );
-            let dtype = self.matrix_dtype(&w);
+            let mut dtype = self.matrix_dtype(&w);
+            if norm.is_some() && dtype.block_len() > 1 {
+                tracing::warn!(
+                    "{what}: {dtype} kept as {} to fold its norm",
+                    self.activation
+                );
+                dtype = self.activation;
+            }
             ensure!(
                 in_features.is_multiple_of(dtype.block_len()),
                 "{what}: {in_features} columns are not whole {dtype} blocks"
@@ -326,7 +441,7 @@ impl<'a, B: Backend> Loader<'a, B> {
                 }
                 None => None,
             };
-            let data = convert(&w, dtype);
+            let data = convert(&w, dtype, norm);
             self.ckpt.release(&w);
             match pending.last_mut() {
                 Some(last) if last.0 == dtype && last.3.is_some() == bias.is_some() => {
@@ -395,6 +510,12 @@ impl<B: Backend> Weights<B> {
             .tensor(Role::Q, 0, cfg)?
             .with_context(|| format!("{}: missing weight Q of layer 0", ckpt.path().display()))?;
         let activation = b.activation_dtype(dtype.apply(q0.dtype));
+        // Folding norms needs float matrices (the first query projection's dtype stands
+        // for them).
+        let fold = b.folds_norm_weights()
+            && b.weight_dtype(dtype.apply(q0.dtype), activation)
+                .block_len()
+                == 1;
         let mut l = Loader {
             b,
             ckpt,
@@ -412,12 +533,13 @@ impl<B: Backend> Weights<B> {
             cfg.vocab_size,
             embed_t.shape
         );
-        let embed = l.linear(vec![(embed_t, None, cfg.vocab_size)], d, "embedding")?;
+        let embed = l.linear(vec![(embed_t, None, cfg.vocab_size)], d, None, "embedding")?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let what = |s: &str| format!("layer {i} {s}");
             let attn_norm = l.require(Role::AttnNorm, i)?;
-            let attn_norm = l.vector(&attn_norm, d, &what("attention norm"))?;
+            let (attn_norm, attn_g) =
+                l.vector_and_values(&attn_norm, d, &what("attention norm"))?;
             let bias = |r: Role| {
                 if cfg.qkv_bias {
                     l.require(r, i).map(Some)
@@ -438,6 +560,7 @@ impl<B: Backend> Weights<B> {
                     (v, vb, cfg.kv_size()),
                 ],
                 d,
+                fold.then_some(&attn_g[..]),
                 &what("qkv"),
             )?;
             let (q_norm, k_norm) = if cfg.qk_norm {
@@ -450,13 +573,18 @@ impl<B: Backend> Weights<B> {
                 (None, None)
             };
             let o = l.require(Role::O, i)?;
-            let o = l.linear(vec![(o, None, d)], cfg.q_size(), &what("o_proj"))?;
+            let o = l.linear(vec![(o, None, d)], cfg.q_size(), None, &what("o_proj"))?;
             let ffn_norm = l.require(Role::FfnNorm, i)?;
-            let ffn_norm = l.vector(&ffn_norm, d, &what("ffn norm"))?;
+            let (ffn_norm, ffn_g) = l.vector_and_values(&ffn_norm, d, &what("ffn norm"))?;
             let (g, u) = (l.require(Role::Gate, i)?, l.require(Role::Up, i)?);
-            let gate_up = l.linear(vec![(g, None, f), (u, None, f)], d, &what("gate/up"))?;
+            let gate_up = l.linear(
+                vec![(g, None, f), (u, None, f)],
+                d,
+                fold.then_some(&ffn_g[..]),
+                &what("gate/up"),
+            )?;
             let down = l.require(Role::Down, i)?;
-            let down = l.linear(vec![(down, None, d)], f, &what("down_proj"))?;
+            let down = l.linear(vec![(down, None, d)], f, None, &what("down_proj"))?;
             layers.push(LayerWeights {
                 attn_norm,
                 qkv,
@@ -474,7 +602,7 @@ impl<B: Backend> Weights<B> {
             None
         } else {
             let t = l.require(Role::LmHead, 0)?;
-            Some(l.linear(vec![(t, None, cfg.vocab_size)], d, "lm_head")?)
+            Some(l.linear(vec![(t, None, cfg.vocab_size)], d, None, "lm_head")?)
         };
         l.progress.finish_and_clear();
         let kept = l.matrix_dtype(&q0);
@@ -485,8 +613,18 @@ impl<B: Backend> Weights<B> {
                 dtype.apply(q0.dtype)
             );
         }
+        let unit_norm = if fold {
+            tracing::info!(
+                "{}: norm weights folded into the matrices after them",
+                b.name()
+            );
+            Some(l.upload(DType::F32, d, bytemuck::cast_slice(&vec![1f32; d]))?)
+        } else {
+            None
+        };
         Ok(Weights {
             activation_dtype: activation,
+            unit_norm,
             matrix_dtype: kept,
             embed,
             layers,
@@ -539,7 +677,7 @@ mod tests {
                         .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
                         .collect(),
                 };
-                assert!(convert(&t, to) == want, "{from} -> {to}");
+                assert!(convert(&t, to, None) == want, "{from} -> {to}");
             }
         }
     }

@@ -46,6 +46,7 @@ pub struct CpuBackend {
     team: team::Team,
     scratch: Mutex<matmul::ActivationScratch>,
     profile: profile::OpProfiler,
+    fold_norms: bool,
 }
 
 impl CpuBackend {
@@ -63,7 +64,15 @@ impl CpuBackend {
             team: team::Team::new(threads)?,
             scratch: Mutex::new(matmul::ActivationScratch::default()),
             profile: profile::OpProfiler::default(),
+            fold_norms: false,
         })
+    }
+
+    /// This backend with models loaded as [`Backend::folds_norm_weights`] says: the CPU
+    /// reference of a GPU that folds them computes the same model.
+    pub fn folding_norm_weights(mut self, fold: bool) -> Self {
+        self.fold_norms = fold;
+        self
     }
 
     pub fn threads(&self) -> usize {
@@ -102,6 +111,10 @@ impl Backend for CpuBackend {
 
     fn weight_dtype(&self, stored: DType, _activation: DType) -> DType {
         stored
+    }
+
+    fn folds_norm_weights(&self) -> bool {
+        self.fold_norms
     }
 
     fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {

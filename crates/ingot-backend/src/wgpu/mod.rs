@@ -408,25 +408,31 @@ impl WgpuBackend {
     }
 
     /// Records `gemv_wide` over the rows of `p` (matmul's parameters), GEMV_MAX_ROWS at a
-    /// time; with `silu_mul` the weights are `[gate; up]` and `p`'s n is the ffn width.
+    /// time, with the shader's `epilogue` options.
     fn gemv_wide(
         &self,
         p: &[u32],
         buffers: &[(u32, &wgpu::Buffer)],
         w: DType,
-        silu_mul: bool,
+        epilogue: GemvEpilogue,
         op: impl Fn() -> String,
     ) {
         let (m, n, k) = (p[0] as usize, p[1] as usize, p[2] as usize);
         let lanes = self.gemv_lanes(k);
-        let constants = [("WIDE_LANES", lanes), ("SILU_MUL", u32::from(silu_mul))];
+        let constants = [
+            ("WIDE_LANES", lanes),
+            ("SILU_MUL", u32::from(epilogue.silu_mul)),
+            ("NORM_X", u32::from(epilogue.norm_eps.is_some())),
+            ("ADD_OUT", u32::from(epilogue.add_out)),
+        ];
         let pipeline = self.pipeline(&shader::MATMUL, "gemv_wide", w, &constants);
         // A workgroup takes WG / lanes columns of each of its two column sets.
-        let cols = (WG / lanes) as usize * if silu_mul { 1 } else { 2 };
+        let cols = (WG / lanes) as usize * if epilogue.silu_mul { 1 } else { 2 };
         for row0 in (0..m).step_by(GEMV_MAX_ROWS) {
             let mut p = p.to_vec();
             p[0] = (m - row0).min(GEMV_MAX_ROWS) as u32;
             p.push(row0 as u32);
+            p.push(epilogue.norm_eps.unwrap_or(0.0).to_bits());
             self.record(
                 pipeline.clone(),
                 &p,
@@ -455,6 +461,17 @@ impl WgpuBackend {
         );
         Ok(())
     }
+}
+
+/// What `gemv_wide` does besides the product (its override constants).
+#[derive(Clone, Copy, Default)]
+struct GemvEpilogue {
+    /// The weights are `[gate; up]`, `p`'s n is the ffn width, the output silu(gate) * up.
+    silu_mul: bool,
+    /// Each row of x is divided by its root mean square (RMSNorm with this epsilon).
+    norm_eps: Option<f32>,
+    /// The product is added to the output.
+    add_out: bool,
 }
 
 /// The GGUF formats whose blocks (an f16 scale, then quants) are not word-aligned, so the
@@ -770,7 +787,8 @@ impl Backend for WgpuBackend {
             (4, &out.buf.buf),
         ];
         if m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8) {
-            self.gemv_wide(&p, &wide, w.dtype, false, || op("gemv_wide"));
+            let plain = GemvEpilogue::default();
+            self.gemv_wide(&p, &wide, w.dtype, plain, || op("gemv_wide"));
         } else if m <= GEMV_MAX_ROWS {
             self.dispatch(
                 &shader::MATMUL,
@@ -819,10 +837,144 @@ impl Backend for WgpuBackend {
             (3, &self.dummy),
             (4, &scratch.act.buf),
         ];
-        self.gemv_wide(&p, &buffers, gate_up.dtype, true, || {
+        let silu = GemvEpilogue {
+            silu_mul: true,
+            ..GemvEpilogue::default()
+        };
+        self.gemv_wide(&p, &buffers, gate_up.dtype, silu, || {
             format!("gemv_wide_silu_mul {} n={ffn} k={k}", gate_up.dtype)
         });
         self.matmul(scratch.act, down, None, m, n, ffn, out);
+    }
+
+    fn folds_norm_weights(&self) -> bool {
+        true
+    }
+
+    /// Decode steps take the norm in the GEMV's reads of x (no norm kernel, no barrier).
+    fn rms_norm_matmul(
+        &self,
+        x: &WgpuBuffer,
+        unit: &WgpuBuffer,
+        eps: f32,
+        w: &WgpuBuffer,
+        bias: Option<&WgpuBuffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        normed: &mut WgpuBuffer,
+        out: MatmulOut<'_, Self>,
+    ) {
+        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
+            self.rms_norm(x, unit, eps, m, k, normed);
+            return self.matmul(normed, w, bias, m, n, k, out);
+        }
+        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
+        assert_eq!(out.buf.dtype, DType::F32, "matmul writes f32");
+        let p = words(&[
+            m,
+            n,
+            k,
+            out.row_stride,
+            out.col_offset,
+            bias.is_some() as usize,
+        ]);
+        let buffers = [
+            (5, &x.buf),
+            (6, &w.buf),
+            (3, bias.map_or(&self.dummy, |b| &b.buf)),
+            (4, &out.buf.buf),
+        ];
+        let normed_x = GemvEpilogue {
+            norm_eps: Some(eps),
+            ..GemvEpilogue::default()
+        };
+        self.gemv_wide(&p, &buffers, w.dtype, normed_x, || {
+            format!("gemv_wide_rms_norm {} n={n} k={k}", w.dtype)
+        });
+    }
+
+    /// Decode steps add the product to `acc` in the GEMV's writes.
+    fn matmul_add(
+        &self,
+        x: &WgpuBuffer,
+        w: &WgpuBuffer,
+        m: usize,
+        n: usize,
+        k: usize,
+        product: &mut WgpuBuffer,
+        acc: &mut WgpuBuffer,
+    ) {
+        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
+            let out = MatmulOut {
+                buf: &mut *product,
+                row_stride: n,
+                col_offset: 0,
+            };
+            self.matmul(x, w, None, m, n, k, out);
+            return self.add_assign(acc, product, m * n);
+        }
+        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
+        assert_eq!(acc.dtype, DType::F32, "matmul writes f32");
+        let p = words(&[m, n, k, n, 0, 0]);
+        let buffers = [(5, &x.buf), (6, &w.buf), (3, &self.dummy), (4, &acc.buf)];
+        let add = GemvEpilogue {
+            add_out: true,
+            ..GemvEpilogue::default()
+        };
+        self.gemv_wide(&p, &buffers, w.dtype, add, || {
+            format!("gemv_wide_add {} n={n} k={k}", w.dtype)
+        });
+    }
+
+    /// Decode steps run the gate/up GEMV on the residual stream with the norm in its reads
+    /// and SiLU·mul in its writes, then the down GEMV adding into the stream: two
+    /// dispatches for the norm and the MLP.
+    fn rms_norm_gated_mlp_add(
+        &self,
+        residual: &mut WgpuBuffer,
+        unit: &WgpuBuffer,
+        eps: f32,
+        gate_up: &WgpuBuffer,
+        down: &WgpuBuffer,
+        m: usize,
+        k: usize,
+        ffn: usize,
+        scratch: MlpScratch<'_, Self>,
+        normed: &mut WgpuBuffer,
+        product: &mut WgpuBuffer,
+    ) {
+        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
+            self.rms_norm(residual, unit, eps, m, k, normed);
+            let out = MatmulOut {
+                buf: &mut *product,
+                row_stride: k,
+                col_offset: 0,
+            };
+            self.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
+            return self.add_assign(residual, product, m * k);
+        }
+        assert_eq!(residual.dtype, DType::F32, "matmul reads f32 activations");
+        assert_eq!(scratch.act.dtype, DType::F32, "matmul writes f32");
+        let p = words(&[m, ffn, k, ffn, 0, 0]);
+        let buffers = [
+            (5, &residual.buf),
+            (6, &gate_up.buf),
+            (3, &self.dummy),
+            (4, &scratch.act.buf),
+        ];
+        let normed_silu = GemvEpilogue {
+            silu_mul: true,
+            norm_eps: Some(eps),
+            add_out: false,
+        };
+        self.gemv_wide(&p, &buffers, gate_up.dtype, normed_silu, || {
+            format!(
+                "gemv_wide_rms_norm_silu_mul {} n={ffn} k={k}",
+                gate_up.dtype
+            )
+        });
+        self.matmul_add(scratch.act, down, m, k, ffn, product, residual);
     }
 
     fn add_assign(&self, acc: &mut WgpuBuffer, x: &WgpuBuffer, numel: usize) {

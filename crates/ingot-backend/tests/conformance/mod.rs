@@ -765,6 +765,177 @@ pub fn gated_mlp_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
     }
 }
 
+/// The ops of a layer whose norms are folded into its matrices
+/// ([`Backend::folds_norm_weights`]): `rms_norm_matmul` (with and without bias),
+/// `matmul_add` and `rms_norm_gated_mlp_add`, against the CPU's (the default compositions
+/// of rms_norm, matmul, gated_mlp and add_assign), at decode and prefill row counts and at
+/// k that the GEMVs do not take (k % 8 != 0).
+pub fn residual_stream_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(11);
+    let eps = 1e-5;
+    for &dtype in d.activations {
+        // (m, k, ffn)
+        let shapes = [
+            (1, 64, 96),
+            (1, 256, 1408),
+            (3, 96, 37),
+            (9, 64, 264),
+            (19, 40, 70),
+            (64, 32, 96),
+            (70, 64, 64),
+        ];
+        for ((m, k, ffn), wd) in shapes
+            .into_iter()
+            .flat_map(|s| (d.weights)(dtype).into_iter().map(move |w| (s, w)))
+        {
+            let what = format!("{dtype}x{wd} m{m} k{k} ffn{ffn}");
+            // Rows of different scales, so that each row's own norm matters.
+            let x: Vec<f32> = randn(&mut rng, m * k)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * (1 + i / k % 5) as f32)
+                .collect();
+            let x = round(&x, dtype);
+            let unit = vec![1f32; k];
+            let (Some((w_data, w)), Some((gu_data, gu)), Some((down_data, down))) = (
+                matrix(&mut rng, wd, ffn, k),
+                matrix(&mut rng, wd, 2 * ffn, k),
+                matrix(&mut rng, wd, k, ffn),
+            ) else {
+                continue;
+            };
+            let bias = round(&randn(&mut rng, ffn), dtype);
+            for with_bias in [false, true] {
+                let mut out = poisoned(g, dtype, m * ffn);
+                let mut normed = poisoned(g, dtype, m * k);
+                let gb = up(g, &bias, DType::F32);
+                g.rms_norm_matmul(
+                    &up(g, &x, dtype),
+                    &up(g, &unit, DType::F32),
+                    eps,
+                    &up_raw(g, &w_data, wd, ffn * k),
+                    with_bias.then_some(&gb),
+                    m,
+                    ffn,
+                    k,
+                    &mut normed,
+                    MatmulOut {
+                        buf: &mut out,
+                        row_stride: ffn,
+                        col_offset: 0,
+                    },
+                );
+                let mut want = c.alloc(DType::F32, m * ffn).unwrap();
+                let mut cnormed = c.alloc(DType::F32, m * k).unwrap();
+                let cb = up(&c, &bias, DType::F32);
+                c.rms_norm_matmul(
+                    &up(&c, &x, DType::F32),
+                    &up(&c, &unit, DType::F32),
+                    eps,
+                    &up(&c, &w, DType::F32),
+                    with_bias.then_some(&cb),
+                    m,
+                    ffn,
+                    k,
+                    &mut cnormed,
+                    MatmulOut {
+                        buf: &mut want,
+                        row_stride: ffn,
+                        col_offset: 0,
+                    },
+                );
+                check(
+                    &g.download_f32(&out, m * ffn).unwrap(),
+                    &c.download_f32(&want, m * ffn).unwrap(),
+                    dtype,
+                    &format!("rms_norm_matmul {what} bias {with_bias}"),
+                );
+            }
+            // acc += act · downᵀ, with act [m, ffn] and acc [m, k].
+            let act = round(&randn(&mut rng, m * ffn), dtype);
+            let acc0 = round(&randn(&mut rng, m * k), dtype);
+            let mut acc = up(g, &acc0, dtype);
+            let mut product = poisoned(g, dtype, m * k);
+            let gdown = up_raw(g, &down_data, wd, k * ffn);
+            g.matmul_add(
+                &up(g, &act, dtype),
+                &gdown,
+                m,
+                k,
+                ffn,
+                &mut product,
+                &mut acc,
+            );
+            let mut cacc = up(&c, &acc0, DType::F32);
+            let mut cproduct = c.alloc(DType::F32, m * k).unwrap();
+            let cdown = up(&c, &down, DType::F32);
+            c.matmul_add(
+                &up(&c, &act, DType::F32),
+                &cdown,
+                m,
+                k,
+                ffn,
+                &mut cproduct,
+                &mut cacc,
+            );
+            check(
+                &g.download_f32(&acc, m * k).unwrap(),
+                &c.download_f32(&cacc, m * k).unwrap(),
+                dtype,
+                &format!("matmul_add {what}"),
+            );
+            // residual += mlp(rms_norm(residual)).
+            let mut residual = up(g, &x, dtype);
+            let (mut gu_s, mut act_s) =
+                (poisoned(g, dtype, m * 2 * ffn), poisoned(g, dtype, m * ffn));
+            let (mut normed, mut product) = (poisoned(g, dtype, m * k), poisoned(g, dtype, m * k));
+            g.rms_norm_gated_mlp_add(
+                &mut residual,
+                &up(g, &unit, DType::F32),
+                eps,
+                &up_raw(g, &gu_data, wd, 2 * ffn * k),
+                &gdown,
+                m,
+                k,
+                ffn,
+                MlpScratch {
+                    gate_up: &mut gu_s,
+                    act: &mut act_s,
+                },
+                &mut normed,
+                &mut product,
+            );
+            let mut cresidual = up(&c, &x, DType::F32);
+            let mut cgu = c.alloc(DType::F32, m * 2 * ffn).unwrap();
+            let mut cact = c.alloc(DType::F32, m * ffn).unwrap();
+            let mut cnormed = c.alloc(DType::F32, m * k).unwrap();
+            c.rms_norm_gated_mlp_add(
+                &mut cresidual,
+                &up(&c, &unit, DType::F32),
+                eps,
+                &up(&c, &gu, DType::F32),
+                &cdown,
+                m,
+                k,
+                ffn,
+                MlpScratch {
+                    gate_up: &mut cgu,
+                    act: &mut cact,
+                },
+                &mut cnormed,
+                &mut cproduct,
+            );
+            check(
+                &g.download_f32(&residual, m * k).unwrap(),
+                &c.download_f32(&cresidual, m * k).unwrap(),
+                dtype,
+                &format!("rms_norm_gated_mlp_add {what}"),
+            );
+        }
+    }
+}
+
 /// A sequence of a batch: `cached` tokens already in the cache, `new` query tokens.
 #[derive(Clone, Copy, Debug)]
 struct Seq {
@@ -1003,32 +1174,34 @@ pub fn decode_attention_does_not_depend_on_the_batch<G: Backend>(
 /// tokens do not depend on the other sequences in it).
 pub fn decode_matmul_rows_do_not_depend_on_the_batch<G: Backend>(g: &G, max_rows: usize) {
     let mut rng = StdRng::seed_from_u64(9);
+    // The product of m rows of x, plain or with each row normalized (rms_norm_matmul).
+    let product = |x: &[f32], w: &G::Buffer, m: usize, n: usize, k: usize, normed: bool| {
+        let mut out = poisoned(g, DType::F32, m * n);
+        let o = MatmulOut {
+            buf: &mut out,
+            row_stride: n,
+            col_offset: 0,
+        };
+        let x = up(g, &x[..m * k], DType::F32);
+        if normed {
+            let unit = up(g, &vec![1f32; k], DType::F32);
+            let mut scratch = poisoned(g, DType::F32, m * k);
+            g.rms_norm_matmul(&x, &unit, 1e-5, w, None, m, n, k, &mut scratch, o);
+        } else {
+            g.matmul(&x, w, None, m, n, k, o);
+        }
+        g.download_f32(&out, m * n).unwrap()
+    };
     for (n, k) in [(33, 64), (300, 1000), (5, 4096)] {
-        for wd in FLOATS {
+        for (wd, normed) in FLOATS.into_iter().flat_map(|d| [(d, false), (d, true)]) {
             let w = up(g, &round(&randn(&mut rng, n * k), wd), wd);
             let x = randn(&mut rng, max_rows * k);
             let alone: Vec<Vec<f32>> = x
                 .chunks(k)
-                .map(|row| {
-                    let mut out = poisoned(g, DType::F32, n);
-                    let o = MatmulOut {
-                        buf: &mut out,
-                        row_stride: n,
-                        col_offset: 0,
-                    };
-                    g.matmul(&up(g, row, DType::F32), &w, None, 1, n, k, o);
-                    g.download_f32(&out, n).unwrap()
-                })
+                .map(|row| product(row, &w, 1, n, k, normed))
                 .collect();
             for m in [2, 5, 8, 9, 16, 37, max_rows] {
-                let mut out = poisoned(g, DType::F32, m * n);
-                let o = MatmulOut {
-                    buf: &mut out,
-                    row_stride: n,
-                    col_offset: 0,
-                };
-                g.matmul(&up(g, &x[..m * k], DType::F32), &w, None, m, n, k, o);
-                let got = g.download_f32(&out, m * n).unwrap();
+                let got = product(&x, &w, m, n, k, normed);
                 for (r, want) in alone[..m].iter().enumerate() {
                     assert_eq!(
                         got[r * n..][..n]
@@ -1036,7 +1209,7 @@ pub fn decode_matmul_rows_do_not_depend_on_the_batch<G: Backend>(g: &G, max_rows
                             .map(|v| v.to_bits())
                             .collect::<Vec<_>>(),
                         want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        "row {r} of {m}, {n}x{k} {wd}"
+                        "row {r} of {m}, {n}x{k} {wd}, normed {normed}"
                     );
                 }
             }

@@ -31,6 +31,14 @@ pub fn runner(
     )
 }
 
+/// The CPU computing the model `device` computes: with norm weights folded where the
+/// device folds them ([`Backend::folds_norm_weights`]).
+pub fn cpu_reference_of<B: Backend>(device: &B) -> CpuBackend {
+    CpuBackend::new(None)
+        .unwrap()
+        .folding_norm_weights(device.folds_norm_weights())
+}
+
 /// A runner on `backend` with the KV cache in the model's activation dtype.
 pub fn runner_on<B: Backend>(
     backend: B,
@@ -298,8 +306,10 @@ pub fn synthetic_models_match_the_cpu<B: Backend>(
                         .collect()
                 })
                 .collect();
-            let mut cpu = runner(&dir, dtype, 24, 4, 512, 64);
-            let mut gpu = runner_on(device(), &dir, dtype, 24, 4, 512, 64);
+            let device = device();
+            let reference = cpu_reference_of(&device);
+            let mut cpu = runner_on(reference, &dir, dtype, 24, 4, 512, 64);
+            let mut gpu = runner_on(device, &dir, dtype, 24, 4, 512, 64);
             let (rows, worst) = mixed_logit_error(&mut cpu, &mut gpu, &seqs);
             println!("{arch:?} {stored:?}: {rows} logit rows, max relative error {worst:.2e}");
             assert!(
@@ -325,7 +335,7 @@ pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
         ..EngineConfig::default()
     };
     let ps: Vec<Vec<u32>> = cases().iter().take(4).map(|c| c.prompt.clone()).collect();
-    let cpu = CpuBackend::new(None).unwrap();
+    let cpu = cpu_reference_of(&backend);
     let (m, t) = ingot_model::load(&cpu, &path, WeightDType::F32).unwrap();
     let mut ce = Engine::new(cpu, m, Arc::new(t), config.clone()).unwrap();
     let (m, t) = ingot_model::load(&backend, &path, WeightDType::F32).unwrap();

@@ -1,8 +1,9 @@
 // out[r, col + j] = Σ_k x[r, k] · w[j, k] (+ bias[j]), rows of `out` ld apart; x and out f32,
 // w in the weight dtype (w_at), accumulation in f32.
 
-// gemv_wide computes rows row0 .. row0 + m of the product (the others: row0 = 0).
-struct P { m: u32, n: u32, k: u32, ld: u32, col: u32, has_bias: u32, row0: u32 }
+// gemv_wide computes rows row0 .. row0 + m of the product (the others: row0 = 0); eps is
+// its NORM_X epsilon.
+struct P { m: u32, n: u32, k: u32, ld: u32, col: u32, has_bias: u32, row0: u32, eps: f32 }
 
 @group(0) @binding(0) var<uniform> p: P;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
@@ -22,7 +23,11 @@ fn store(r: u32, j: u32, v: f32) {
     if (p.has_bias != 0u) {
         s += bias[j];
     }
-    out[(p.row0 + r) * p.ld + p.col + j] = s;
+    let at = (p.row0 + r) * p.ld + p.col + j;
+    if (ADD_OUT) {
+        s += out[at];
+    }
+    out[at] = s;
 }
 
 // Up to GEMV_ROWS rows (decode steps): each weight row is read once for every input row,
@@ -91,14 +96,25 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 // columns are gate column j and up column n + j, and the workgroup writes
 // silu(gate) * up to column j (n columns of output, no bias). The sums are the same as
 // the plain product's, so the output equals gemv_wide then silu_mul.
+//
+// With NORM_X each row of x is taken divided by its root mean square (an RMSNorm whose
+// weights are folded into w): the sums of squares come from the x pieces the threads of
+// the first column load anyway, and the sums are scaled at the end. With ADD_OUT the
+// product is added to out (out += x · wᵀ, the residual stream), as add_assign after the
+// plain product would.
 @group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
 override WIDE_LANES: u32 = 32u;
 override WIDE_COLS: u32 = WG / WIDE_LANES;
 override SILU_MUL: bool = false;
+override NORM_X: bool = false;
+override ADD_OUT: bool = false;
 // [column set][row][thread] sums, then a column's lane sums added 8 at a time, then those
 // (two short chains, not one of WIDE_LANES).
 var<workgroup> wide_partial: array<f32, 4096>;
 var<workgroup> lane_sums: array<f32, 1024>;
+// NORM_X: [row][lane] sums of squares of the first column's threads, then their sums of 8.
+var<workgroup> row_squares: array<f32, 512>;
+var<workgroup> row_square_sums: array<f32, 64>;
 
 // Piece g (8 elements) of row r of x.
 fn x_piece(r: u32, g: u32) -> W8 {
@@ -110,8 +126,9 @@ fn dot8(x: W8, w: W8) -> f32 {
     return dot(x.lo, w.lo) + dot(x.hi, w.hi);
 }
 
-// Rows r0 .. r0 + 4 (past m: row m - 1) of x times the weights w and v of piece g.
-struct Dots4 { w: vec4<f32>, v: vec4<f32> }
+// Rows r0 .. r0 + 4 (past m: row m - 1) of x times the weights w and v of piece g, and
+// times themselves.
+struct Dots4 { w: vec4<f32>, v: vec4<f32>, x: vec4<f32> }
 
 fn dots4(r0: u32, last: u32, g: u32, w: W8, v: W8) -> Dots4 {
     var d: Dots4;
@@ -119,6 +136,7 @@ fn dots4(r0: u32, last: u32, g: u32, w: W8, v: W8) -> Dots4 {
         let x = x_piece(min(r0 + i, last), g);
         d.w[i] = dot8(x, w);
         d.v[i] = dot8(x, v);
+        d.x[i] = dot8(x, x);
     }
     return d;
 }
@@ -138,6 +156,9 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
     var a_hi = vec4<f32>();
     var b_lo = vec4<f32>();
     var b_hi = vec4<f32>();
+    // NORM_X: sums of squares of rows 0-3 and 4-7 of the x pieces this thread loads.
+    var s_lo = vec4<f32>();
+    var s_hi = vec4<f32>();
     if (j < p.n) {
         let base_a = j * groups;
         let jb = select(j + WIDE_COLS, j + p.n, SILU_MUL);
@@ -147,6 +168,7 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         if (p.m == 1u) {
             var a = vec2<f32>();
             var b = vec2<f32>();
+            var s = vec2<f32>();
             for (; g + l < groups; g += 2u * l) {
                 let w0 = w_at8(base_a + g);
                 let w1 = w_at8(base_a + g + l);
@@ -156,19 +178,28 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                 let x1 = x_piece(0u, g + l);
                 a += vec2<f32>(dot8(x0, w0), dot8(x1, w1));
                 b += vec2<f32>(dot8(x0, v0), dot8(x1, v1));
+                if (NORM_X) {
+                    s += vec2<f32>(dot8(x0, x0), dot8(x1, x1));
+                }
             }
             if (g < groups) {
                 let x0 = x_piece(0u, g);
                 a.x += dot8(x0, w_at8(base_a + g));
                 b.x += dot8(x0, w_at8(base_b + g));
+                if (NORM_X) {
+                    s.x += dot8(x0, x0);
+                }
             }
             a_lo.x = a.x + a.y;
             b_lo.x = b.x + b.y;
+            s_lo.x = s.x + s.y;
         } else {
             var a_lo1 = vec4<f32>();
             var a_hi1 = vec4<f32>();
             var b_lo1 = vec4<f32>();
             var b_hi1 = vec4<f32>();
+            var s_lo1 = vec4<f32>();
+            var s_hi1 = vec4<f32>();
             for (; g + l < groups; g += 2u * l) {
                 let w0 = w_at8(base_a + g);
                 let w1 = w_at8(base_a + g + l);
@@ -180,6 +211,10 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                 b_lo += d0.v;
                 a_lo1 += d1.w;
                 b_lo1 += d1.v;
+                if (NORM_X) {
+                    s_lo += d0.x;
+                    s_lo1 += d1.x;
+                }
                 if (p.m > 4u) {
                     let e0 = dots4(4u, last, g, w0, v0);
                     let e1 = dots4(4u, last, g + l, w1, v1);
@@ -187,6 +222,10 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                     b_hi += e0.v;
                     a_hi1 += e1.w;
                     b_hi1 += e1.v;
+                    if (NORM_X) {
+                        s_hi += e0.x;
+                        s_hi1 += e1.x;
+                    }
                 }
             }
             if (g < groups) {
@@ -195,16 +234,31 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                 let d0 = dots4(0u, last, g, w0, v0);
                 a_lo += d0.w;
                 b_lo += d0.v;
+                if (NORM_X) {
+                    s_lo += d0.x;
+                }
                 if (p.m > 4u) {
                     let e0 = dots4(4u, last, g, w0, v0);
                     a_hi += e0.w;
                     b_hi += e0.v;
+                    if (NORM_X) {
+                        s_hi += e0.x;
+                    }
                 }
             }
             a_lo += a_lo1;
             a_hi += a_hi1;
             b_lo += b_lo1;
             b_hi += b_hi1;
+            s_lo += s_lo1;
+            s_hi += s_hi1;
+        }
+    }
+    // The first column's threads cover every piece of x once.
+    if (NORM_X && lid < WIDE_LANES) {
+        for (var i = 0u; i < 4u; i++) {
+            row_squares[i * WIDE_LANES + lid] = s_lo[i];
+            row_squares[(4u + i) * WIDE_LANES + lid] = s_hi[i];
         }
     }
     for (var i = 0u; i < 4u; i++) {
@@ -228,6 +282,15 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         }
         lane_sums[o] = t;
     }
+    if (NORM_X) {
+        for (var o = lid; o < p.m * per; o += WG) {
+            var t = 0.0;
+            for (var i = 0u; i < eight; i++) {
+                t += row_squares[o * eight + i];
+            }
+            row_square_sums[o] = t;
+        }
+    }
     workgroupBarrier();
     if (SILU_MUL) {
         let up = WIDE_COLS * p.m * per;
@@ -240,6 +303,9 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                     g += lane_sums[o * per + i];
                     u += lane_sums[up + o * per + i];
                 }
+                let scale = row_scale(o / WIDE_COLS, per);
+                g *= scale;
+                u *= scale;
                 out[(p.row0 + o / WIDE_COLS) * p.ld + p.col + jj] = g / (1.0 + exp(-g)) * u;
             }
         }
@@ -253,9 +319,21 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
             for (var i = 0u; i < per; i++) {
                 t += lane_sums[o * per + i];
             }
-            store(in_set / WIDE_COLS, jj, t);
+            store(in_set / WIDE_COLS, jj, t * row_scale(in_set / WIDE_COLS, per));
         }
     }
+}
+
+// NORM_X: 1 / rms of row r of x (as rms_norm computes it), from its `per` sums; else 1.
+fn row_scale(r: u32, per: u32) -> f32 {
+    if (!NORM_X) {
+        return 1.0;
+    }
+    var ss = 0.0;
+    for (var i = 0u; i < per; i++) {
+        ss += row_square_sums[r * per + i];
+    }
+    return 1.0 / sqrt(ss / f32(p.k) + p.eps);
 }
 
 // Columns j, j + 16, j + 32 and j + 48 of row r, those inside the product.
