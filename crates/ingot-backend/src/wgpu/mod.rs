@@ -419,27 +419,27 @@ impl WgpuBackend {
     ) {
         let (m, n, k) = (p[0] as usize, p[1] as usize, p[2] as usize);
         let lanes = self.gemv_lanes(k);
-        let constants = [
-            ("WIDE_LANES", lanes),
-            ("SILU_MUL", u32::from(epilogue.silu_mul)),
-            ("NORM_X", u32::from(epilogue.norm_eps.is_some())),
-            ("ADD_OUT", u32::from(epilogue.add_out)),
-        ];
-        let pipeline = self.pipeline(&shader::MATMUL, "gemv_wide", w, &constants);
+        let pipeline = |rows: usize| {
+            let constants = [
+                ("WIDE_LANES", lanes),
+                ("SILU_MUL", u32::from(epilogue.silu_mul)),
+                ("NORM_X", u32::from(epilogue.norm_eps.is_some())),
+                ("ADD_OUT", u32::from(epilogue.add_out)),
+                ("ONE_ROW", u32::from(rows == 1)),
+            ];
+            self.pipeline(&shader::MATMUL, "gemv_wide", w, &constants)
+        };
         // A workgroup takes WG / lanes columns of each of its two column sets.
         let cols = (WG / lanes) as usize * if epilogue.silu_mul { 1 } else { 2 };
         for row0 in (0..m).step_by(GEMV_MAX_ROWS) {
+            let rows = (m - row0).min(GEMV_MAX_ROWS);
             let mut p = p.to_vec();
-            p[0] = (m - row0).min(GEMV_MAX_ROWS) as u32;
+            p[0] = rows as u32;
             p.push(row0 as u32);
             p.push(epilogue.norm_eps.unwrap_or(0.0).to_bits());
-            self.record(
-                pipeline.clone(),
-                &p,
-                buffers,
-                grid(n.div_ceil(cols)),
-                || format!("{} lanes={lanes}", op()),
-            );
+            self.record(pipeline(rows), &p, buffers, grid(n.div_ceil(cols)), || {
+                format!("{} lanes={lanes}", op())
+            });
         }
     }
 

@@ -107,14 +107,27 @@ override WIDE_LANES: u32 = 32u;
 override WIDE_COLS: u32 = WG / WIDE_LANES;
 override SILU_MUL: bool = false;
 override NORM_X: bool = false;
+// Set for dispatches of one row: that pipeline holds none of the batched path's registers
+// (H100 through Vulkan, B=1 with the norm folded in: 131 tok/s without it, 137 with).
+override ONE_ROW: bool = false;
 override ADD_OUT: bool = false;
 // [column set][row][thread] sums, then a column's lane sums added 8 at a time, then those
 // (two short chains, not one of WIDE_LANES).
 var<workgroup> wide_partial: array<f32, 4096>;
-var<workgroup> lane_sums: array<f32, 1024>;
-// NORM_X: [row][lane] sums of squares of the first column's threads, then their sums of 8.
-var<workgroup> row_squares: array<f32, 512>;
-var<workgroup> row_square_sums: array<f32, 64>;
+// With NORM_X it also holds, past the lane sums (at SQUARES), the first column's threads'
+// [row][lane] sums of squares of x and then their sums of 8: no workgroup memory of their
+// own, which cost batched products through Vulkan ~15% (the plain ones too).
+var<workgroup> lane_sums: array<f32, 1088>;
+
+// Where the sums of squares start in lane_sums (after 2 * WIDE_COLS * m * per lane sums),
+// and where their sums of 8 start.
+fn squares_at() -> u32 {
+    return 2u * WIDE_COLS * p.m * (WIDE_LANES / min(8u, WIDE_LANES));
+}
+
+fn square_sums_at() -> u32 {
+    return squares_at() + p.m * WIDE_LANES;
+}
 
 // Piece g (8 elements) of row r of x.
 fn x_piece(r: u32, g: u32) -> W8 {
@@ -126,9 +139,8 @@ fn dot8(x: W8, w: W8) -> f32 {
     return dot(x.lo, w.lo) + dot(x.hi, w.hi);
 }
 
-// Rows r0 .. r0 + 4 (past m: row m - 1) of x times the weights w and v of piece g, and
-// times themselves.
-struct Dots4 { w: vec4<f32>, v: vec4<f32>, x: vec4<f32> }
+// Rows r0 .. r0 + 4 (past m: row m - 1) of x times the weights w and v of piece g.
+struct Dots4 { w: vec4<f32>, v: vec4<f32> }
 
 fn dots4(r0: u32, last: u32, g: u32, w: W8, v: W8) -> Dots4 {
     var d: Dots4;
@@ -136,9 +148,20 @@ fn dots4(r0: u32, last: u32, g: u32, w: W8, v: W8) -> Dots4 {
         let x = x_piece(min(r0 + i, last), g);
         d.w[i] = dot8(x, w);
         d.v[i] = dot8(x, v);
-        d.x[i] = dot8(x, x);
     }
     return d;
+}
+
+// Those rows' pieces g times themselves (NORM_X; a separate function, so that the
+// products without it do not carry the work: the driver kept it when it was a field of
+// Dots4, batched products 20% slower).
+fn squares4(r0: u32, last: u32, g: u32) -> vec4<f32> {
+    var s: vec4<f32>;
+    for (var i = 0u; i < 4u; i++) {
+        let x = x_piece(min(r0 + i, last), g);
+        s[i] = dot8(x, x);
+    }
+    return s;
 }
 
 @compute @workgroup_size(256)
@@ -156,7 +179,8 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
     var a_hi = vec4<f32>();
     var b_lo = vec4<f32>();
     var b_hi = vec4<f32>();
-    // NORM_X: sums of squares of rows 0-3 and 4-7 of the x pieces this thread loads.
+    // NORM_X: sums of squares of rows 0-3 and 4-7 of the x pieces this thread loads, in
+    // one chain (the same order at one row and in a batch).
     var s_lo = vec4<f32>();
     var s_hi = vec4<f32>();
     if (j < p.n) {
@@ -165,10 +189,10 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         let base_b = select(j, jb, SILU_MUL || jb < p.n) * groups;
         let last = p.m - 1u;
         var g = lane;
-        if (p.m == 1u) {
+        if (ONE_ROW) {
             var a = vec2<f32>();
             var b = vec2<f32>();
-            var s = vec2<f32>();
+            var s = 0.0;
             for (; g + l < groups; g += 2u * l) {
                 let w0 = w_at8(base_a + g);
                 let w1 = w_at8(base_a + g + l);
@@ -179,7 +203,8 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                 a += vec2<f32>(dot8(x0, w0), dot8(x1, w1));
                 b += vec2<f32>(dot8(x0, v0), dot8(x1, v1));
                 if (NORM_X) {
-                    s += vec2<f32>(dot8(x0, x0), dot8(x1, x1));
+                    s += dot8(x0, x0);
+                    s += dot8(x1, x1);
                 }
             }
             if (g < groups) {
@@ -187,19 +212,17 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                 a.x += dot8(x0, w_at8(base_a + g));
                 b.x += dot8(x0, w_at8(base_b + g));
                 if (NORM_X) {
-                    s.x += dot8(x0, x0);
+                    s += dot8(x0, x0);
                 }
             }
             a_lo.x = a.x + a.y;
             b_lo.x = b.x + b.y;
-            s_lo.x = s.x + s.y;
+            s_lo.x = s;
         } else {
             var a_lo1 = vec4<f32>();
             var a_hi1 = vec4<f32>();
             var b_lo1 = vec4<f32>();
             var b_hi1 = vec4<f32>();
-            var s_lo1 = vec4<f32>();
-            var s_hi1 = vec4<f32>();
             for (; g + l < groups; g += 2u * l) {
                 let w0 = w_at8(base_a + g);
                 let w1 = w_at8(base_a + g + l);
@@ -212,8 +235,8 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                 a_lo1 += d1.w;
                 b_lo1 += d1.v;
                 if (NORM_X) {
-                    s_lo += d0.x;
-                    s_lo1 += d1.x;
+                    s_lo += squares4(0u, last, g);
+                    s_lo += squares4(0u, last, g + l);
                 }
                 if (p.m > 4u) {
                     let e0 = dots4(4u, last, g, w0, v0);
@@ -223,8 +246,8 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                     a_hi1 += e1.w;
                     b_hi1 += e1.v;
                     if (NORM_X) {
-                        s_hi += e0.x;
-                        s_hi1 += e1.x;
+                        s_hi += squares4(4u, last, g);
+                        s_hi += squares4(4u, last, g + l);
                     }
                 }
             }
@@ -235,14 +258,14 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
                 a_lo += d0.w;
                 b_lo += d0.v;
                 if (NORM_X) {
-                    s_lo += d0.x;
+                    s_lo += squares4(0u, last, g);
                 }
                 if (p.m > 4u) {
                     let e0 = dots4(4u, last, g, w0, v0);
                     a_hi += e0.w;
                     b_hi += e0.v;
                     if (NORM_X) {
-                        s_hi += e0.x;
+                        s_hi += squares4(4u, last, g);
                     }
                 }
             }
@@ -250,15 +273,17 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
             a_hi += a_hi1;
             b_lo += b_lo1;
             b_hi += b_hi1;
-            s_lo += s_lo1;
-            s_hi += s_hi1;
         }
     }
     // The first column's threads cover every piece of x once.
     if (NORM_X && lid < WIDE_LANES) {
         for (var i = 0u; i < 4u; i++) {
-            row_squares[i * WIDE_LANES + lid] = s_lo[i];
-            row_squares[(4u + i) * WIDE_LANES + lid] = s_hi[i];
+            if (i < p.m) {
+                lane_sums[squares_at() + i * WIDE_LANES + lid] = s_lo[i];
+            }
+            if (4u + i < p.m) {
+                lane_sums[squares_at() + (4u + i) * WIDE_LANES + lid] = s_hi[i];
+            }
         }
     }
     for (var i = 0u; i < 4u; i++) {
@@ -286,9 +311,9 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         for (var o = lid; o < p.m * per; o += WG) {
             var t = 0.0;
             for (var i = 0u; i < eight; i++) {
-                t += row_squares[o * eight + i];
+                t += lane_sums[squares_at() + o * eight + i];
             }
-            row_square_sums[o] = t;
+            lane_sums[square_sums_at() + o] = t;
         }
     }
     workgroupBarrier();
@@ -331,7 +356,7 @@ fn row_scale(r: u32, per: u32) -> f32 {
     }
     var ss = 0.0;
     for (var i = 0u; i < per; i++) {
-        ss += row_square_sums[r * per + i];
+        ss += lane_sums[square_sums_at() + r * per + i];
     }
     return 1.0 / sqrt(ss / f32(p.k) + p.eps);
 }
