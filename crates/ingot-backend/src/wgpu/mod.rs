@@ -53,6 +53,10 @@ pub struct Options {
     /// (`INGOT_WGPU_MAX_BINDING`): to see how a model splits, or fits, on a device with a
     /// smaller one.
     pub max_binding: Option<u64>,
+    /// A lower workgroup-memory limit than the adapter's, in bytes
+    /// (`INGOT_WGPU_MAX_WORKGROUP_MEMORY`): Apple GPUs give kernels 32 KiB, where decode
+    /// attention takes smaller key tiles; this runs those tiles on any adapter.
+    pub max_workgroup_memory: Option<u32>,
 }
 
 impl Default for Options {
@@ -61,6 +65,7 @@ impl Default for Options {
             shader_f16: true,
             subgroup: true,
             max_binding: None,
+            max_workgroup_memory: None,
         }
     }
 }
@@ -79,6 +84,12 @@ impl Options {
                     ),
                 }
             }
+        }
+        if let Ok(v) = std::env::var("INGOT_WGPU_MAX_WORKGROUP_MEMORY") {
+            let bytes = v.trim().parse::<u32>().ok().filter(|&b| b > 0);
+            o.max_workgroup_memory = Some(bytes.with_context(|| {
+                format!("INGOT_WGPU_MAX_WORKGROUP_MEMORY: `{v}` is not a positive number of bytes")
+            })?);
         }
         if let Ok(v) = std::env::var("INGOT_WGPU_MAX_BINDING") {
             let bytes = v.trim().parse::<u64>().ok().filter(|&b| b > 0);
@@ -173,6 +184,18 @@ impl WgpuBackend {
             offered.contains(wgpu::Features::TIMESTAMP_QUERY),
         );
         let mut limits = adapter.limits();
+        // Asked of the device as its limit; decode attention sizes its tiles to it.
+        if let Some(max) = options.max_workgroup_memory {
+            limits.max_compute_workgroup_storage_size =
+                limits.max_compute_workgroup_storage_size.min(max);
+        }
+        ensure!(
+            limits.max_compute_workgroup_storage_size >= shader::MIN_WORKGROUP_MEMORY,
+            "adapter {} gives a workgroup {} bytes of memory; the kernels need {}",
+            info.name,
+            limits.max_compute_workgroup_storage_size,
+            shader::MIN_WORKGROUP_MEMORY
+        );
         ensure!(
             adapter
                 .get_downlevel_capabilities()
@@ -204,9 +227,11 @@ impl WgpuBackend {
             info.name, info.backend, info.device_type
         );
         tracing::info!(
-            "{name}: max buffer {} MiB, max storage binding {} MiB; shader-f16 {}, subgroups {}",
+            "{name}: max buffer {} MiB, max storage binding {} MiB, workgroup memory {} KiB; \
+             shader-f16 {}, subgroups {}",
             limits.max_buffer_size >> 20,
             limits.max_storage_buffer_binding_size >> 20,
+            limits.max_compute_workgroup_storage_size >> 10,
             if features.shader_f16 {
                 "on"
             } else {
@@ -1212,12 +1237,19 @@ impl Backend for WgpuBackend {
         );
         // Output elements per thread: fewer registers where the group's block is small.
         let outs = (group * layout.head_dim).div_ceil(WG as usize) as u32;
-        let keys_per_tile = if layout.head_dim <= 128 { 32 } else { 16 };
+        let tiles = shader::decode_tiles(
+            layout.head_dim as u32,
+            self.limits.max_compute_workgroup_storage_size,
+        );
         let pipeline = self.pipeline(
             &shader::ATTENTION,
             "decode",
             k_cache.dtype,
-            &[("OUTS", outs), ("TN", keys_per_tile)],
+            &[
+                ("OUTS", outs),
+                ("TN", tiles.keys),
+                ("TILE_VECS", tiles.vecs),
+            ],
         );
         self.record(
             pipeline,

@@ -180,6 +180,37 @@ pub const KERNELS: &[&Kernel] = &[
 /// Threads per workgroup of every kernel.
 pub const WG: u32 = 256;
 
+/// The workgroup memory the kernels need of an adapter: Metal's 32 KiB (the most any
+/// kernel takes, tiled prefill attention, is 27,328 bytes; decode attention picks its tiles
+/// to fit, [`decode_tiles`]).
+pub const MIN_WORKGROUP_MEMORY: u32 = 32 << 10;
+
+/// The key tiles of decode attention: `keys` per tile (its `TN`), and the 16-byte vectors
+/// each of its key and value tiles holds (`TILE_VECS`: a row of head_dim / 4 + 1 vectors a
+/// key, padded against bank conflicts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeTiles {
+    pub keys: u32,
+    pub vecs: u32,
+}
+
+/// The longest tiles (32 keys for head_dim <= 128, else 16, else 8) whose workgroup memory
+/// fits `limit` bytes: the query group (8 KiB), the key and value tiles, the scores (2 KiB)
+/// and the per-head softmax state.
+pub fn decode_tiles(head_dim: u32, limit: u32) -> DecodeTiles {
+    let fixed = 8192 + 2048 + 3 * 64;
+    let first = if head_dim <= 128 { 32 } else { 16 };
+    let tiles = |keys: u32| DecodeTiles {
+        keys,
+        vecs: keys * (head_dim / 4 + 1),
+    };
+    [first, first / 2, first / 4]
+        .into_iter()
+        .map(tiles)
+        .find(|t| fixed + 2 * 16 * t.vecs <= limit)
+        .unwrap_or(tiles(first / 4))
+}
+
 /// The source of `kernel` with its typed buffers in `dtype`.
 pub fn source(kernel: &Kernel, dtype: DType, f: Features) -> String {
     assert!(
@@ -535,8 +566,54 @@ mod tests {
     use naga::back::msl;
     use naga::valid::{Capabilities, ValidationFlags, Validator};
 
-    /// Every kernel in every variant parses and validates, and translates to Metal
-    /// Shading Language: a shader error fails here on machines without any adapter.
+    /// The workgroup memory `entry` of a module (overrides processed) takes.
+    fn workgroup_bytes(module: &naga::Module, info: &naga::valid::ModuleInfo, entry: &str) -> u32 {
+        let i = module
+            .entry_points
+            .iter()
+            .position(|e| e.name == entry)
+            .unwrap();
+        let used = info.get_entry_point(i);
+        module
+            .global_variables
+            .iter()
+            .filter(|(h, v)| v.space == naga::AddressSpace::WorkGroup && !used[*h].is_empty())
+            .map(|(_, v)| module.types[v.ty].inner.size(module.to_ctx()))
+            .sum()
+    }
+
+    /// The most workgroup memory `decode` takes with the tiles the host picks for a
+    /// device of MIN_WORKGROUP_MEMORY, over the head sizes it runs (multiples of 8 up to
+    /// 256).
+    fn decode_workgroup_bytes(src: &str, caps: Capabilities) -> u32 {
+        let module = naga::front::wgsl::parse_str(src).unwrap();
+        let info = Validator::new(ValidationFlags::all(), caps)
+            .validate(&module)
+            .unwrap();
+        (8..=256)
+            .step_by(8)
+            .map(|head_dim| {
+                let t = decode_tiles(head_dim, MIN_WORKGROUP_MEMORY);
+                let constants = [
+                    ("TN".to_string(), f64::from(t.keys)),
+                    ("TILE_VECS".to_string(), f64::from(t.vecs)),
+                ]
+                .into_iter()
+                .collect();
+                let (module, info) = naga::back::pipeline_constants::process_overrides(
+                    &module, &info, None, &constants,
+                )
+                .unwrap();
+                workgroup_bytes(&module, &info, "decode")
+            })
+            .max()
+            .unwrap()
+    }
+
+    /// Every kernel in every variant parses and validates, translates to Metal Shading
+    /// Language, and fits Metal's 32 KiB of workgroup memory (decode attention with the
+    /// tiles the host picks there): a shader error fails here on machines without any
+    /// adapter.
     #[test]
     fn every_shader_validates_and_translates_to_metal() {
         for kernel in KERNELS {
@@ -584,6 +661,17 @@ mod tests {
                             &msl::PipelineOptions::default(),
                         )
                         .unwrap_or_else(|e| panic!("{what}: Metal translation: {e}"));
+                        for ep in module.entry_points.iter().map(|e| e.name.as_str()) {
+                            let bytes = if ep == "decode" {
+                                decode_workgroup_bytes(&src, caps)
+                            } else {
+                                workgroup_bytes(&module, &info, ep)
+                            };
+                            assert!(
+                                bytes <= MIN_WORKGROUP_MEMORY,
+                                "{what} {ep}: {bytes} bytes of workgroup memory"
+                            );
+                        }
                     }
                 }
             }

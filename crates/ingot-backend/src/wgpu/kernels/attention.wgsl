@@ -108,12 +108,14 @@ fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
 // splits of a sequence depend on its length alone: a sequence is computed the same in
 // any batch.
 const MIN_PART: u32 = 32u;
-// Keys per tile: 32 for head_dim <= 128, 16 up to 256. Rows of the tile are padded by one
-// vec4 so that threads scoring different keys read different banks.
+// Rows of a key tile are padded by one vec4 so that threads scoring different keys read
+// different banks. The host sizes `decode`'s tiles (TN keys, TILE_VECS vectors) to the
+// adapter's workgroup memory; `prefill` takes 32 keys of head_dim <= 128.
+override TILE_VECS: u32 = 1056u;
 var<workgroup> qs: array<vec4<f32>, 512>;
-var<workgroup> tile: array<vec4<f32>, 1056>;
+var<workgroup> tile: array<vec4<f32>, TILE_VECS>;
 // The values of `decode`'s tile, loaded with its keys.
-var<workgroup> vtile: array<vec4<f32>, 1056>;
+var<workgroup> vtile: array<vec4<f32>, TILE_VECS>;
 var<workgroup> sc: array<f32, 512>;
 // Per query vector of the workgroup (a head of the group in `decode`, a row in `prefill`).
 var<workgroup> head_max: array<f32, 16>;
@@ -130,7 +132,8 @@ fn put_piece(i: u32, w: W8) {
 
 // Output elements per thread in `decode`: group * head_dim / WG, rounded up (at most 8).
 override OUTS: u32 = 8u;
-// Keys per tile of `decode`: 32 for head_dim <= 128, 16 up to 256. A constant, so that its
+// Keys per tile of `decode` (32 for head_dim <= 128, 16 up to 256, half or a quarter of
+// that where workgroup memory is short: shader::decode_tiles). A constant, so that its
 // loops over a tile's scores have a fixed count the compiler unrolls, issuing their
 // workgroup-memory loads together; a partial last tile is padded with zero keys and
 // values, which add nothing (scores past the split are masked, probabilities are 0).
