@@ -152,9 +152,7 @@ fn dots4(r0: u32, last: u32, g: u32, w: W8, v: W8) -> Dots4 {
     return d;
 }
 
-// Those rows' pieces g times themselves (NORM_X; a separate function, so that the
-// products without it do not carry the work: the driver kept it when it was a field of
-// Dots4, batched products 20% slower).
+// Those rows' pieces g times themselves (NORM_X's sums of squares).
 fn squares4(r0: u32, last: u32, g: u32) -> vec4<f32> {
     var s: vec4<f32>;
     for (var i = 0u; i < 4u; i++) {
