@@ -116,6 +116,76 @@ pub fn gated_mlp_in_two_products<B: Backend + ?Sized>(
     b.silu_mul_matmul(scratch.gate_up, scratch.act, down, m, n, ffn, out);
 }
 
+/// [`Backend::rms_norm_matmul`]'s default: [`Backend::rms_norm`] into `normed`, then
+/// [`Backend::matmul`]; also the path of a backend whose fusion does not take the shape.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_then_matmul<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buffer,
+    unit: &B::Buffer,
+    eps: f32,
+    w: &B::Buffer,
+    bias: Option<&B::Buffer>,
+    m: usize,
+    n: usize,
+    k: usize,
+    normed: &mut B::Buffer,
+    out: MatmulOut<'_, B>,
+) {
+    b.rms_norm(x, unit, eps, m, k, normed);
+    b.matmul(normed, w, bias, m, n, k, out);
+}
+
+/// [`Backend::matmul_add`]'s default: [`Backend::matmul`] into `product`, then
+/// [`Backend::add_assign`]; also the path of a backend whose fusion does not take the shape.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_then_add<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buffer,
+    w: &B::Buffer,
+    m: usize,
+    n: usize,
+    k: usize,
+    product: &mut B::Buffer,
+    acc: &mut B::Buffer,
+) {
+    let out = MatmulOut {
+        buf: &mut *product,
+        row_stride: n,
+        col_offset: 0,
+    };
+    b.matmul(x, w, None, m, n, k, out);
+    b.add_assign(acc, product, m * n);
+}
+
+/// [`Backend::rms_norm_gated_mlp_add`]'s default: [`Backend::rms_norm`] into `normed`,
+/// [`Backend::gated_mlp`] into `product`, then [`Backend::add_assign`]; also the path of a
+/// backend whose fusion does not take the shape.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_gated_mlp_then_add<B: Backend + ?Sized>(
+    b: &B,
+    residual: &mut B::Buffer,
+    unit: &B::Buffer,
+    eps: f32,
+    gate_up: &B::Buffer,
+    down: &B::Buffer,
+    m: usize,
+    k: usize,
+    ffn: usize,
+    scratch: MlpScratch<'_, B>,
+    normed: &mut B::Buffer,
+    product: &mut B::Buffer,
+) {
+    b.rms_norm(residual, unit, eps, m, k, normed);
+    let out = MatmulOut {
+        buf: &mut *product,
+        row_stride: k,
+        col_offset: 0,
+    };
+    b.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
+    b.add_assign(residual, product, m * k);
+}
+
 /// Device memory as the backend sees it, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -389,8 +459,7 @@ pub trait Backend: Send + Sync {
         normed: &mut Self::Buffer,
         out: MatmulOut<'_, Self>,
     ) {
-        self.rms_norm(x, unit, eps, m, k, normed);
-        self.matmul(normed, w, bias, m, n, k, out);
+        rms_norm_then_matmul(self, x, unit, eps, w, bias, m, n, k, normed, out);
     }
 
     /// `acc += x · wᵀ` (rows of `n`): [`Backend::matmul`] into `product`, then
@@ -406,13 +475,7 @@ pub trait Backend: Send + Sync {
         product: &mut Self::Buffer,
         acc: &mut Self::Buffer,
     ) {
-        let out = MatmulOut {
-            buf: &mut *product,
-            row_stride: n,
-            col_offset: 0,
-        };
-        self.matmul(x, w, None, m, n, k, out);
-        self.add_assign(acc, product, m * n);
+        matmul_then_add(self, x, w, m, n, k, product, acc);
     }
 
     /// `residual += gated_mlp(rms_norm(residual))` for a norm whose weights are folded into
@@ -433,14 +496,9 @@ pub trait Backend: Send + Sync {
         normed: &mut Self::Buffer,
         product: &mut Self::Buffer,
     ) {
-        self.rms_norm(residual, unit, eps, m, k, normed);
-        let out = MatmulOut {
-            buf: &mut *product,
-            row_stride: k,
-            col_offset: 0,
-        };
-        self.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
-        self.add_assign(residual, product, m * k);
+        rms_norm_gated_mlp_then_add(
+            self, residual, unit, eps, gate_up, down, m, k, ffn, scratch, normed, product,
+        );
     }
 
     /// f32 elements of scratch [`Backend::paged_attention`] needs for steps of up to

@@ -468,6 +468,41 @@ impl WgpuBackend {
         }
     }
 
+    /// `gemv_wide` of x (f32) times `w` into rows of `out` (f32) `ld` apart from column
+    /// `col`, with `epilogue`; `n` output columns (the ffn width with SiLU·mul). Named in
+    /// the op profile by its epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn wide_product(
+        &self,
+        x: &WgpuBuffer,
+        w: &WgpuBuffer,
+        bias: Option<&WgpuBuffer>,
+        (m, n, k): (usize, usize, usize),
+        out: &WgpuBuffer,
+        (ld, col): (usize, usize),
+        epilogue: GemvEpilogue,
+    ) {
+        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
+        assert_eq!(out.dtype, DType::F32, "matmul writes f32");
+        let p = words(&[m, n, k, ld, col, bias.is_some() as usize]);
+        let buffers = [
+            (5, &x.buf),
+            (6, &w.buf),
+            (3, bias.map_or(&self.dummy, |b| &b.buf)),
+            (4, &out.buf),
+        ];
+        self.gemv_wide(&p, &buffers, w.dtype, epilogue, || {
+            let norm = if epilogue.norm_eps.is_some() {
+                "_rms_norm"
+            } else {
+                ""
+            };
+            let silu = if epilogue.silu_mul { "_silu_mul" } else { "" };
+            let add = if epilogue.add_out { "_add" } else { "" };
+            format!("gemv_wide{norm}{silu}{add} {} n={n} k={k}", w.dtype)
+        });
+    }
+
     /// The largest buffer a kernel may bind: both limits apply to every buffer here.
     fn max_binding(&self) -> u64 {
         self.limits
@@ -486,6 +521,12 @@ impl WgpuBackend {
         );
         Ok(())
     }
+}
+
+/// Whether `gemv_wide` takes a product of `m` rows of `k`: decode steps (GEMV_CHUNKED_ROWS
+/// rows at most), k a multiple of 8 (16-byte loads).
+fn takes_wide_gemv(m: usize, k: usize) -> bool {
+    m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8)
 }
 
 /// What `gemv_wide` does besides the product (its override constants).
@@ -811,9 +852,9 @@ impl Backend for WgpuBackend {
             (3, bias.map_or(&self.dummy, |b| &b.buf)),
             (4, &out.buf.buf),
         ];
-        if m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8) {
-            let plain = GemvEpilogue::default();
-            self.gemv_wide(&p, &wide, w.dtype, plain, || op("gemv_wide"));
+        if takes_wide_gemv(m, k) {
+            let (at, plain) = ((out.row_stride, out.col_offset), GemvEpilogue::default());
+            self.wide_product(x, w, bias, (m, n, k), out.buf, at, plain);
         } else if m <= GEMV_MAX_ROWS {
             self.dispatch(
                 &shader::MATMUL,
@@ -848,27 +889,17 @@ impl Backend for WgpuBackend {
         scratch: MlpScratch<'_, Self>,
         out: MatmulOut<'_, Self>,
     ) {
-        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
+        if !takes_wide_gemv(m, k) {
             return crate::gated_mlp_in_two_products(
                 self, x, gate_up, down, m, k, ffn, n, scratch, out,
             );
         }
-        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
-        assert_eq!(scratch.act.dtype, DType::F32, "matmul writes f32");
-        let p = words(&[m, ffn, k, ffn, 0, 0]);
-        let buffers = [
-            (5, &x.buf),
-            (6, &gate_up.buf),
-            (3, &self.dummy),
-            (4, &scratch.act.buf),
-        ];
         let silu = GemvEpilogue {
             silu_mul: true,
             ..GemvEpilogue::default()
         };
-        self.gemv_wide(&p, &buffers, gate_up.dtype, silu, || {
-            format!("gemv_wide_silu_mul {} n={ffn} k={k}", gate_up.dtype)
-        });
+        let act = &*scratch.act;
+        self.wide_product(x, gate_up, None, (m, ffn, k), act, (ffn, 0), silu);
         self.matmul(scratch.act, down, None, m, n, ffn, out);
     }
 
@@ -890,33 +921,15 @@ impl Backend for WgpuBackend {
         normed: &mut WgpuBuffer,
         out: MatmulOut<'_, Self>,
     ) {
-        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
-            self.rms_norm(x, unit, eps, m, k, normed);
-            return self.matmul(normed, w, bias, m, n, k, out);
+        if !takes_wide_gemv(m, k) {
+            return crate::rms_norm_then_matmul(self, x, unit, eps, w, bias, m, n, k, normed, out);
         }
-        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
-        assert_eq!(out.buf.dtype, DType::F32, "matmul writes f32");
-        let p = words(&[
-            m,
-            n,
-            k,
-            out.row_stride,
-            out.col_offset,
-            bias.is_some() as usize,
-        ]);
-        let buffers = [
-            (5, &x.buf),
-            (6, &w.buf),
-            (3, bias.map_or(&self.dummy, |b| &b.buf)),
-            (4, &out.buf.buf),
-        ];
         let normed_x = GemvEpilogue {
             norm_eps: Some(eps),
             ..GemvEpilogue::default()
         };
-        self.gemv_wide(&p, &buffers, w.dtype, normed_x, || {
-            format!("gemv_wide_rms_norm {} n={n} k={k}", w.dtype)
-        });
+        let at = (out.row_stride, out.col_offset);
+        self.wide_product(x, w, bias, (m, n, k), out.buf, at, normed_x);
     }
 
     /// Decode steps add the product to `acc` in the GEMV's writes.
@@ -930,26 +943,14 @@ impl Backend for WgpuBackend {
         product: &mut WgpuBuffer,
         acc: &mut WgpuBuffer,
     ) {
-        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
-            let out = MatmulOut {
-                buf: &mut *product,
-                row_stride: n,
-                col_offset: 0,
-            };
-            self.matmul(x, w, None, m, n, k, out);
-            return self.add_assign(acc, product, m * n);
+        if !takes_wide_gemv(m, k) {
+            return crate::matmul_then_add(self, x, w, m, n, k, product, acc);
         }
-        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
-        assert_eq!(acc.dtype, DType::F32, "matmul writes f32");
-        let p = words(&[m, n, k, n, 0, 0]);
-        let buffers = [(5, &x.buf), (6, &w.buf), (3, &self.dummy), (4, &acc.buf)];
         let add = GemvEpilogue {
             add_out: true,
             ..GemvEpilogue::default()
         };
-        self.gemv_wide(&p, &buffers, w.dtype, add, || {
-            format!("gemv_wide_add {} n={n} k={k}", w.dtype)
-        });
+        self.wide_product(x, w, None, (m, n, k), acc, (n, 0), add);
     }
 
     /// Decode steps run the gate/up GEMV on the residual stream with the norm in its reads
@@ -969,36 +970,26 @@ impl Backend for WgpuBackend {
         normed: &mut WgpuBuffer,
         product: &mut WgpuBuffer,
     ) {
-        if m > GEMV_CHUNKED_ROWS || !k.is_multiple_of(8) {
-            self.rms_norm(residual, unit, eps, m, k, normed);
-            let out = MatmulOut {
-                buf: &mut *product,
-                row_stride: k,
-                col_offset: 0,
-            };
-            self.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
-            return self.add_assign(residual, product, m * k);
+        if !takes_wide_gemv(m, k) {
+            return crate::rms_norm_gated_mlp_then_add(
+                self, residual, unit, eps, gate_up, down, m, k, ffn, scratch, normed, product,
+            );
         }
-        assert_eq!(residual.dtype, DType::F32, "matmul reads f32 activations");
-        assert_eq!(scratch.act.dtype, DType::F32, "matmul writes f32");
-        let p = words(&[m, ffn, k, ffn, 0, 0]);
-        let buffers = [
-            (5, &residual.buf),
-            (6, &gate_up.buf),
-            (3, &self.dummy),
-            (4, &scratch.act.buf),
-        ];
         let normed_silu = GemvEpilogue {
             silu_mul: true,
             norm_eps: Some(eps),
             add_out: false,
         };
-        self.gemv_wide(&p, &buffers, gate_up.dtype, normed_silu, || {
-            format!(
-                "gemv_wide_rms_norm_silu_mul {} n={ffn} k={k}",
-                gate_up.dtype
-            )
-        });
+        let act = &*scratch.act;
+        self.wide_product(
+            residual,
+            gate_up,
+            None,
+            (m, ffn, k),
+            act,
+            (ffn, 0),
+            normed_silu,
+        );
         self.matmul_add(scratch.act, down, m, k, ffn, product, residual);
     }
 
