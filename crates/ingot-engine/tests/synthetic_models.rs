@@ -6,7 +6,6 @@ mod common;
 use ingot_model::reference::ReferenceModel;
 use ingot_model::synthetic::{Dtype, SyntheticSpec};
 use ingot_model::{Arch, Checkpoint, WeightDType};
-use rand::{Rng, SeedableRng};
 
 fn temp_dir(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("ingot-synthetic-{tag}-{}", std::process::id()))
@@ -31,16 +30,8 @@ fn check(
     let arch = spec.arch;
     let reference = ReferenceModel::load(&Checkpoint::open(reference_dir).unwrap()).unwrap();
     let mut runner = common::runner(dir, dtype, 24, 4, 512, 64);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     // Lengths around the 16-token block boundary and beyond two blocks.
-    let seqs: Vec<Vec<u32>> = [1usize, 15, 16, 17, 40, 33]
-        .iter()
-        .map(|&n| {
-            (0..n)
-                .map(|_| rng.random_range(0..spec.vocab_size as u32))
-                .collect()
-        })
-        .collect();
+    let seqs = common::random_seqs(9, &[1, 15, 16, 17, 40, 33], spec.vocab_size);
     let want: Vec<Vec<f32>> = seqs.iter().map(|s| reference.forward(s)).collect();
     let observed = common::run_mixed(&mut runner, &seqs, 11);
     assert!(
@@ -143,15 +134,7 @@ fn folded_norms_change_logits_by_rounding_alone() {
             };
             let dir = temp_dir(&format!("folded-{arch:?}-{stored:?}"));
             spec.write(&dir).unwrap();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-            let seqs: Vec<Vec<u32>> = [1usize, 16, 17, 40]
-                .iter()
-                .map(|&n| {
-                    (0..n)
-                        .map(|_| rng.random_range(0..spec.vocab_size as u32))
-                        .collect()
-                })
-                .collect();
+            let seqs = common::random_seqs(5, &[1, 16, 17, 40], spec.vocab_size);
             let auto = WeightDType::Auto;
             let mut plain = common::runner(&dir, auto, 24, 4, 512, 64);
             let folding = CpuBackend::new(None).unwrap().folding_norm_weights(true);

@@ -62,6 +62,14 @@ pub fn runner_on<B: Backend>(
     ModelRunner::new(backend, model, cfg).unwrap()
 }
 
+/// Sequences of random token ids below `vocab`, of the given lengths, from `seed`.
+pub fn random_seqs(seed: u64, lens: &[usize], vocab: usize) -> Vec<Vec<u32>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    lens.iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(0..vocab as u32)).collect())
+        .collect()
+}
+
 /// Largest |a - b| relative to the largest |b|.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     let diff = a
@@ -297,15 +305,7 @@ pub fn synthetic_models_match_the_cpu<B: Backend>(
                 std::process::id()
             ));
             spec.write(&dir).unwrap();
-            let mut rng = StdRng::seed_from_u64(3);
-            let seqs: Vec<Vec<u32>> = [1usize, 15, 16, 17, 40, 33, 150]
-                .iter()
-                .map(|&n| {
-                    (0..n)
-                        .map(|_| rng.random_range(0..spec.vocab_size as u32))
-                        .collect()
-                })
-                .collect();
+            let seqs = random_seqs(3, &[1, 15, 16, 17, 40, 33, 150], spec.vocab_size);
             let device = device();
             let reference = cpu_reference_of(&device);
             let mut cpu = runner_on(reference, &dir, dtype, 24, 4, 512, 64);
