@@ -186,6 +186,19 @@ pub fn rms_norm_gated_mlp_then_add<B: Backend + ?Sized>(
     b.add_assign(residual, product, m * k);
 }
 
+/// Where a step's new keys and values go, rotated: the arguments of
+/// [`Backend::rope_kv_write`] besides the qkv rows.
+pub struct RopeKvWrite<'a, B: Backend + ?Sized> {
+    pub layout: QkvLayout,
+    pub positions: &'a B::Buffer,
+    pub cos_sin: &'a B::Buffer,
+    pub rotary_dim: usize,
+    pub slot_mapping: &'a B::Buffer,
+    pub cache: CacheLayout,
+    pub k_cache: &'a mut B::Buffer,
+    pub v_cache: &'a mut B::Buffer,
+}
+
 /// Device memory as the backend sees it, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -460,6 +473,44 @@ pub trait Backend: Send + Sync {
         out: MatmulOut<'_, Self>,
     ) {
         rms_norm_then_matmul(self, x, unit, eps, w, bias, m, n, k, normed, out);
+    }
+
+    /// The attention input of a layer whose norm is folded into `w` (the fused QKV matrix,
+    /// `layout.row_len()` rows): [`Backend::rms_norm_matmul`] into `qkv`, then
+    /// [`Backend::rope_kv_write`].
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_qkv_rope_kv_write(
+        &self,
+        x: &Self::Buffer,
+        unit: &Self::Buffer,
+        eps: f32,
+        w: &Self::Buffer,
+        bias: Option<&Self::Buffer>,
+        m: usize,
+        k: usize,
+        normed: &mut Self::Buffer,
+        qkv: &mut Self::Buffer,
+        rope: RopeKvWrite<'_, Self>,
+    ) {
+        let n = rope.layout.row_len();
+        let out = MatmulOut {
+            buf: &mut *qkv,
+            row_stride: n,
+            col_offset: 0,
+        };
+        self.rms_norm_matmul(x, unit, eps, w, bias, m, n, k, normed, out);
+        self.rope_kv_write(
+            qkv,
+            rope.layout,
+            rope.positions,
+            m,
+            rope.cos_sin,
+            rope.rotary_dim,
+            rope.slot_mapping,
+            rope.cache,
+            rope.k_cache,
+            rope.v_cache,
+        );
     }
 
     /// `acc += x · wᵀ` (rows of `n`): [`Backend::matmul`] into `product`, then

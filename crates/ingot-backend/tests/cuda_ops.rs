@@ -53,6 +53,12 @@ fn gated_mlp_matches_the_cpu() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn attention_input_matches_the_cpu() {
+    conformance::attention_input_matches_the_cpu(&gpu(), &DTYPES);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn residual_stream_ops_match_the_cpu() {
     conformance::residual_stream_ops_match_the_cpu(&gpu(), &DTYPES);
 }

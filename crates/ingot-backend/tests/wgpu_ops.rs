@@ -87,6 +87,13 @@ fn gated_mlp_matches_the_cpu() {
 }
 
 #[test]
+fn attention_input_matches_the_cpu() {
+    for g in backends() {
+        conformance::attention_input_matches_the_cpu(&g, &DTYPES);
+    }
+}
+
+#[test]
 fn residual_stream_ops_match_the_cpu() {
     for g in backends() {
         conformance::residual_stream_ops_match_the_cpu(&g, &DTYPES);

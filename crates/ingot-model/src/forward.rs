@@ -3,7 +3,9 @@
 use crate::config::ModelConfig;
 use crate::weights::Weights;
 use anyhow::Result;
-use ingot_backend::{AttentionMetadata, Backend, CacheLayout, DType, MlpScratch, QkvLayout};
+use ingot_backend::{
+    AttentionMetadata, Backend, CacheLayout, DType, MlpScratch, QkvLayout, RopeKvWrite,
+};
 
 /// The per-step inputs on the device. Sequence `s` owns token rows
 /// `query_start_loc[s]..query_start_loc[s+1]`; `logits_indices` picks the rows whose next
@@ -205,30 +207,52 @@ impl<B: Backend> Model<B> {
             b.rms_norm(&a.hidden, &w.layers[0].attn_norm, eps, t, d, &mut a.normed);
         }
         for (i, (layer, (kc, vc))) in w.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
-            match folded {
-                Some(unit) => {
-                    let normed = &mut a.normed;
-                    layer
-                        .qkv
-                        .forward_normed(b, &a.hidden, unit, eps, t, normed, &mut a.qkv);
-                }
-                None => layer.qkv.forward(b, &a.normed, t, &mut a.qkv),
-            }
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
-            }
-            b.rope_kv_write(
-                &mut a.qkv,
+            let rope = RopeKvWrite {
                 layout,
-                &step.positions,
-                t,
-                &a.cos_sin,
-                cfg.head_dim,
-                &step.slot_mapping,
-                kv.layout,
-                kc,
-                vc,
-            );
+                positions: &step.positions,
+                cos_sin: &a.cos_sin,
+                rotary_dim: cfg.head_dim,
+                slot_mapping: &step.slot_mapping,
+                cache: kv.layout,
+                k_cache: &mut *kc,
+                v_cache: &mut *vc,
+            };
+            match (folded, layer.qkv.parts.as_slice()) {
+                // The norm, the product, RoPE and the KV write as one op.
+                (Some(unit), [p]) if layer.q_norm.is_none() => {
+                    let (normed, qkv) = (&mut a.normed, &mut a.qkv);
+                    let bias = p.bias.as_ref();
+                    b.rms_norm_qkv_rope_kv_write(
+                        &a.hidden, unit, eps, &p.weight, bias, t, d, normed, qkv, rope,
+                    );
+                }
+                _ => {
+                    match folded {
+                        Some(unit) => {
+                            let normed = &mut a.normed;
+                            layer
+                                .qkv
+                                .forward_normed(b, &a.hidden, unit, eps, t, normed, &mut a.qkv);
+                        }
+                        None => layer.qkv.forward(b, &a.normed, t, &mut a.qkv),
+                    }
+                    if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                        b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
+                    }
+                    b.rope_kv_write(
+                        &mut a.qkv,
+                        layout,
+                        rope.positions,
+                        t,
+                        rope.cos_sin,
+                        rope.rotary_dim,
+                        rope.slot_mapping,
+                        rope.cache,
+                        rope.k_cache,
+                        rope.v_cache,
+                    );
+                }
+            }
             b.paged_attention(
                 &a.qkv,
                 layout,

@@ -12,7 +12,9 @@
 mod recorder;
 pub mod shader;
 
-use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MlpScratch, QkvLayout};
+use crate::{
+    AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MlpScratch, QkvLayout, RopeKvWrite,
+};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use recorder::Recorder;
 use shader::{Features, Kernel, WG};
@@ -442,6 +444,23 @@ impl WgpuBackend {
         epilogue: GemvEpilogue,
         op: impl Fn() -> String,
     ) {
+        let entry = (&shader::MATMUL, "gemv_wide");
+        self.gemv_wide_entry(entry, p, &[], buffers, w, epilogue, op);
+    }
+
+    /// [`WgpuBackend::gemv_wide`] through `entry` (the plain GEMV or one with its own
+    /// epilogue), with `tail` after the params it adds (row0, eps).
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_wide_entry(
+        &self,
+        (kernel, entry): (&Kernel, &'static str),
+        p: &[u32],
+        tail: &[u32],
+        buffers: &[(u32, &wgpu::Buffer)],
+        w: DType,
+        epilogue: GemvEpilogue,
+        op: impl Fn() -> String,
+    ) {
         let (m, n, k) = (p[0] as usize, p[1] as usize, p[2] as usize);
         let lanes = self.gemv_lanes(k);
         let pipeline = |rows: usize| {
@@ -452,7 +471,7 @@ impl WgpuBackend {
                 ("ADD_OUT", u32::from(epilogue.add_out)),
                 ("ONE_ROW", u32::from(rows == 1)),
             ];
-            self.pipeline(&shader::MATMUL, "gemv_wide", w, &constants)
+            self.pipeline(kernel, entry, w, &constants)
         };
         // A workgroup takes WG / lanes columns of each of its two column sets.
         let cols = (WG / lanes) as usize * if epilogue.silu_mul { 1 } else { 2 };
@@ -462,6 +481,7 @@ impl WgpuBackend {
             p[0] = rows as u32;
             p.push(row0 as u32);
             p.push(epilogue.norm_eps.unwrap_or(0.0).to_bits());
+            p.extend_from_slice(tail);
             self.record(pipeline(rows), &p, buffers, grid(n.div_ceil(cols)), || {
                 format!("{} lanes={lanes}", op())
             });
@@ -930,6 +950,75 @@ impl Backend for WgpuBackend {
         };
         let at = (out.row_stride, out.col_offset);
         self.wide_product(x, w, bias, (m, n, k), out.buf, at, normed_x);
+    }
+
+    /// Decode steps rotate the query and key heads and write the keys and values to the
+    /// cache in the QKV GEMV's epilogue (no `rope_kv_write` dispatch), where the weights
+    /// and the cache share a dtype and the rotation covers whole heads.
+    fn rms_norm_qkv_rope_kv_write(
+        &self,
+        x: &WgpuBuffer,
+        unit: &WgpuBuffer,
+        eps: f32,
+        w: &WgpuBuffer,
+        bias: Option<&WgpuBuffer>,
+        m: usize,
+        k: usize,
+        normed: &mut WgpuBuffer,
+        qkv: &mut WgpuBuffer,
+        rope: RopeKvWrite<'_, Self>,
+    ) {
+        let layout = rope.layout;
+        let n = layout.row_len();
+        let fused = takes_wide_gemv(m, k)
+            && rope.rotary_dim == layout.head_dim
+            && layout.head_dim.is_multiple_of(4)
+            && w.dtype == rope.k_cache.dtype
+            && w.dtype.block_len() == 1;
+        if !fused {
+            let out = MatmulOut {
+                buf: &mut *qkv,
+                row_stride: n,
+                col_offset: 0,
+            };
+            self.rms_norm_matmul(x, unit, eps, w, bias, m, n, k, normed, out);
+            return self.rope_kv_write(
+                qkv,
+                layout,
+                rope.positions,
+                m,
+                rope.cos_sin,
+                rope.rotary_dim,
+                rope.slot_mapping,
+                rope.cache,
+                rope.k_cache,
+                rope.v_cache,
+            );
+        }
+        assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
+        assert_eq!(qkv.dtype, DType::F32, "matmul writes f32");
+        assert_eq!(rope.k_cache.dtype, rope.v_cache.dtype);
+        let p = words(&[m, n, k, n, 0, bias.is_some() as usize]);
+        let tail = words(&[layout.num_heads, layout.num_kv_heads, layout.head_dim]);
+        let buffers = [
+            (5, &x.buf),
+            (6, &w.buf),
+            (3, bias.map_or(&self.dummy, |b| &b.buf)),
+            (4, &qkv.buf),
+            (7, &rope.positions.buf),
+            (8, &rope.cos_sin.buf),
+            (9, &rope.slot_mapping.buf),
+            (10, &rope.k_cache.buf),
+            (11, &rope.v_cache.buf),
+        ];
+        let normed_x = GemvEpilogue {
+            norm_eps: Some(eps),
+            ..GemvEpilogue::default()
+        };
+        let entry = (&shader::QKV_ROPE, "gemv_wide_rope");
+        self.gemv_wide_entry(entry, &p, &tail, &buffers, w.dtype, normed_x, || {
+            format!("gemv_wide_rms_norm_rope_kv {} n={n} k={k}", w.dtype)
+        });
     }
 
     /// Decode steps add the product to `acc` in the GEMV's writes.

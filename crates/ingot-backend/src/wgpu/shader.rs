@@ -114,6 +114,39 @@ pub const MATMUL: Kernel = Kernel {
     dtypes: WEIGHTS,
 };
 
+/// The QKV GEMV with RoPE and the KV write in its epilogue: matmul.wgsl's GEMV and its
+/// own entry point, weights and cache in one float dtype.
+pub const QKV_ROPE: Kernel = Kernel {
+    file: "qkv_rope",
+    entries: &["gemv_wide_rope"],
+    source: concat!(
+        include_str!("kernels/matmul.wgsl"),
+        include_str!("kernels/qkv_rope.wgsl")
+    ),
+    typed: &[
+        Typed {
+            name: "w",
+            binding: 2,
+            access: Access::Read,
+            wide: Some(6),
+        },
+        Typed {
+            name: "kc",
+            binding: 10,
+            access: Access::ReadWrite,
+            wide: None,
+        },
+        Typed {
+            name: "vc",
+            binding: 11,
+            access: Access::ReadWrite,
+            wide: None,
+        },
+    ],
+    reduces: false,
+    dtypes: FLOATS,
+};
+
 pub const ROPE: Kernel = Kernel {
     file: "rope",
     entries: &["rope", "kv_write"],
@@ -172,6 +205,7 @@ pub const KERNELS: &[&Kernel] = &[
     &NORM,
     &ELEMENTWISE,
     &MATMUL,
+    &QKV_ROPE,
     &ROPE,
     &ATTENTION,
     &SAMPLING,

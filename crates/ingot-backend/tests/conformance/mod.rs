@@ -16,7 +16,7 @@ use ingot_backend::quant::testing::random_quant_row;
 use ingot_backend::sampling;
 use ingot_backend::{
     AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, MlpScratch, QkvLayout,
-    SampleRow,
+    RopeKvWrite, SampleRow,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -932,6 +932,137 @@ pub fn residual_stream_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                 dtype,
                 &format!("rms_norm_gated_mlp_add {what}"),
             );
+        }
+    }
+}
+
+/// `rms_norm_qkv_rope_kv_write` (a layer's attention input with its norm folded into the
+/// QKV matrix) against the CPU's default (rms_norm_matmul then rope_kv_write): the qkv
+/// rows and both caches, with and without bias, at decode and prefill row counts, every
+/// weight and cache dtype (a backend may fuse where they agree), shuffled slots with a
+/// padding row (-1), and k % 8 != 0.
+pub fn attention_input_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(13);
+    let eps = 1e-5;
+    for &dtype in d.activations {
+        let cases = [
+            (LAYOUTS[1], 64, 1),
+            (LAYOUTS[2], 96, 7),
+            (LAYOUTS[3], 40, 9),
+            (LAYOUTS[4], 64, 70),
+            (LAYOUTS[5], 128, 3),
+            (LAYOUTS[0], 36, 5),
+        ];
+        for (layout, k, m) in cases {
+            let n = layout.row_len();
+            let x: Vec<f32> = randn(&mut rng, m * k)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * (1 + i / k % 3) as f32)
+                .collect();
+            let x = round(&x, dtype);
+            let unit = vec![1f32; k];
+            let bias = round(&randn(&mut rng, n), dtype);
+            let pos: Vec<i32> = (0..m).map(|_| rng.random_range(0..50)).collect();
+            let table = cos_sin_table(50, layout.head_dim);
+            let cache = CacheLayout {
+                num_blocks: 5,
+                block_size: 16,
+            };
+            let cache_n = cache.num_blocks * cache.block_size * layout.kv_len();
+            let mut slots: Vec<i32> = (0..80).collect();
+            slots.shuffle(&mut rng);
+            slots.truncate(m);
+            slots[m / 2] = -1;
+            for wd in (d.weights)(dtype).into_iter().filter(|w| !w.is_quantized()) {
+                let Some((w_data, w)) = matrix(&mut rng, wd, n, k) else {
+                    continue;
+                };
+                for (cache_dtype, with_bias) in (d.caches)(dtype)
+                    .into_iter()
+                    .flat_map(|c| [(c, false), (c, true)])
+                {
+                    let what = format!("attention input {dtype}x{wd} into {cache_dtype} {layout:?} k{k} m{m} bias {with_bias}");
+                    let init = round(&randn(&mut rng, cache_n), cache_dtype);
+                    let (mut gk, mut gv) = (up(g, &init, cache_dtype), up(g, &init, cache_dtype));
+                    let mut gqkv = poisoned(g, dtype, m * n);
+                    let mut gnormed = poisoned(g, dtype, m * k);
+                    let (gpos, gtable, gslots) = (
+                        up_i32(g, &pos),
+                        up(g, &table, DType::F32),
+                        up_i32(g, &slots),
+                    );
+                    let gb = up(g, &bias, DType::F32);
+                    g.rms_norm_qkv_rope_kv_write(
+                        &up(g, &x, dtype),
+                        &up(g, &unit, DType::F32),
+                        eps,
+                        &up_raw(g, &w_data, wd, n * k),
+                        with_bias.then_some(&gb),
+                        m,
+                        k,
+                        &mut gnormed,
+                        &mut gqkv,
+                        RopeKvWrite {
+                            layout,
+                            positions: &gpos,
+                            cos_sin: &gtable,
+                            rotary_dim: layout.head_dim,
+                            slot_mapping: &gslots,
+                            cache,
+                            k_cache: &mut gk,
+                            v_cache: &mut gv,
+                        },
+                    );
+                    let (mut ck, mut cv) = (up(&c, &init, DType::F32), up(&c, &init, DType::F32));
+                    let mut cqkv = c.alloc(DType::F32, m * n).unwrap();
+                    let mut cnormed = c.alloc(DType::F32, m * k).unwrap();
+                    let (cpos, ctable, cslots) = (
+                        up_i32(&c, &pos),
+                        up(&c, &table, DType::F32),
+                        up_i32(&c, &slots),
+                    );
+                    let cb = up(&c, &bias, DType::F32);
+                    c.rms_norm_qkv_rope_kv_write(
+                        &up(&c, &x, DType::F32),
+                        &up(&c, &unit, DType::F32),
+                        eps,
+                        &up(&c, &w, DType::F32),
+                        with_bias.then_some(&cb),
+                        m,
+                        k,
+                        &mut cnormed,
+                        &mut cqkv,
+                        RopeKvWrite {
+                            layout,
+                            positions: &cpos,
+                            cos_sin: &ctable,
+                            rotary_dim: layout.head_dim,
+                            slot_mapping: &cslots,
+                            cache,
+                            k_cache: &mut ck,
+                            v_cache: &mut cv,
+                        },
+                    );
+                    check(
+                        &g.download_f32(&gqkv, m * n).unwrap(),
+                        &c.download_f32(&cqkv, m * n).unwrap(),
+                        dtype,
+                        &format!("{what}: qkv"),
+                    );
+                    let worse = worse(dtype, cache_dtype);
+                    for (gbuf, cbuf, part) in [(&gk, &ck, "keys"), (&gv, &cv, "values")] {
+                        let want = round(&c.download_f32(cbuf, cache_n).unwrap(), cache_dtype);
+                        check(
+                            &g.download_f32(gbuf, cache_n).unwrap(),
+                            &want,
+                            worse,
+                            &format!("{what}: {part}"),
+                        );
+                    }
+                }
+            }
         }
     }
 }

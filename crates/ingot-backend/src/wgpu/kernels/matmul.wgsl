@@ -2,8 +2,11 @@
 // w in the weight dtype (w_at), accumulation in f32.
 
 // gemv_wide computes rows row0 .. row0 + m of the product (the others: row0 = 0); eps is
-// its NORM_X epsilon.
-struct P { m: u32, n: u32, k: u32, ld: u32, col: u32, has_bias: u32, row0: u32, eps: f32 }
+// its NORM_X epsilon; gemv_wide_rope (qkv_rope.wgsl) also reads the head counts and size.
+struct P {
+    m: u32, n: u32, k: u32, ld: u32, col: u32, has_bias: u32, row0: u32, eps: f32,
+    q_heads: u32, kv_heads: u32, head_dim: u32,
+}
 
 @group(0) @binding(0) var<uniform> p: P;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
@@ -162,17 +165,15 @@ fn squares4(r0: u32, last: u32, g: u32) -> vec4<f32> {
     return s;
 }
 
-@compute @workgroup_size(256)
-fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-             @builtin(local_invocation_index) lid: u32) {
+// The sums of the wide GEMV: the thread's two columns start at weight pieces base_a and
+// base_b (valid: it has columns), each row of x read once for both; at the end lane_sums
+// holds [column set][row][column][lane group] sums (and with NORM_X the rows' sums of
+// squares), after a barrier. Rows 0-3 and 4-7 of both columns; pieces at even and odd
+// steps in separate sums (two loads in flight), added at the end.
+fn wide_sums(lid: u32, valid: bool, base_a: u32, base_b: u32) {
     let lane = lid % WIDE_LANES;
-    let col0 = (wg.y * nwg.x + wg.x) * select(2u, 1u, SILU_MUL) * WIDE_COLS;
-    let j = col0 + lid / WIDE_LANES;
     let groups = p.k / 8u;
     let l = WIDE_LANES;
-    // Rows 0-3 and 4-7 of columns j (a) and j + WIDE_COLS (b); pieces at even and odd
-    // steps in separate sums (two loads in flight), added at the end. A second column
-    // past n repeats the first and is not stored.
     var a_lo = vec4<f32>();
     var a_hi = vec4<f32>();
     var b_lo = vec4<f32>();
@@ -181,10 +182,7 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
     // one chain (the same order at one row and in a batch).
     var s_lo = vec4<f32>();
     var s_hi = vec4<f32>();
-    if (j < p.n) {
-        let base_a = j * groups;
-        let jb = select(j + WIDE_COLS, j + p.n, SILU_MUL);
-        let base_b = select(j, jb, SILU_MUL || jb < p.n) * groups;
+    if (valid) {
         let last = p.m - 1u;
         var g = lane;
         if (ONE_ROW) {
@@ -315,6 +313,20 @@ fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         }
     }
     workgroupBarrier();
+}
+
+@compute @workgroup_size(256)
+fn gemv_wide(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let col0 = (wg.y * nwg.x + wg.x) * select(2u, 1u, SILU_MUL) * WIDE_COLS;
+    let j = col0 + lid / WIDE_LANES;
+    let groups = p.k / 8u;
+    // Columns j and j + WIDE_COLS (SILU_MUL: gate j and up n + j); a second column past n
+    // repeats the first and is not stored.
+    let jb = select(j + WIDE_COLS, j + p.n, SILU_MUL);
+    let base_b = select(j, jb, SILU_MUL || jb < p.n) * groups;
+    wide_sums(lid, j < p.n, j * groups, base_b);
+    let per = WIDE_LANES / min(8u, WIDE_LANES);
     if (SILU_MUL) {
         let up = WIDE_COLS * p.m * per;
         for (var o = lid; o < WIDE_COLS * p.m; o += WG) {
