@@ -1323,7 +1323,7 @@ pub fn decode_matmul_rows_do_not_depend_on_the_batch<G: Backend>(g: &G, max_rows
         }
         g.download_f32(&out, m * n).unwrap()
     };
-    for (n, k) in [(33, 64), (300, 1000), (5, 4096)] {
+    for (n, k) in [(33, 64), (300, 1000), (5, 4096), (3, 2600)] {
         for (wd, normed) in FLOATS.into_iter().flat_map(|d| [(d, false), (d, true)]) {
             let w = up(g, &round(&randn(&mut rng, n * k), wd), wd);
             let x = randn(&mut rng, max_rows * k);

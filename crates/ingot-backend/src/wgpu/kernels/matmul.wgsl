@@ -189,6 +189,33 @@ fn wide_sums(lid: u32, valid: bool, base_a: u32, base_b: u32) {
             var a = vec2<f32>();
             var b = vec2<f32>();
             var s = 0.0;
+            // Four steps a turn (eight weight loads in flight), steps 0 and 2 into a.x and
+            // 1 and 3 into a.y: the order of additions of each sum is that of the two-step
+            // turns below and of the batched path, so rows stay bitwise the same.
+            for (; g + 3u * l < groups; g += 4u * l) {
+                let w0 = w_at8(base_a + g);
+                let w1 = w_at8(base_a + g + l);
+                let w2 = w_at8(base_a + g + 2u * l);
+                let w3 = w_at8(base_a + g + 3u * l);
+                let v0 = w_at8(base_b + g);
+                let v1 = w_at8(base_b + g + l);
+                let v2 = w_at8(base_b + g + 2u * l);
+                let v3 = w_at8(base_b + g + 3u * l);
+                let x0 = x_piece(0u, g);
+                let x1 = x_piece(0u, g + l);
+                let x2 = x_piece(0u, g + 2u * l);
+                let x3 = x_piece(0u, g + 3u * l);
+                a += vec2<f32>(dot8(x0, w0), dot8(x1, w1));
+                b += vec2<f32>(dot8(x0, v0), dot8(x1, v1));
+                a += vec2<f32>(dot8(x2, w2), dot8(x3, w3));
+                b += vec2<f32>(dot8(x2, v2), dot8(x3, v3));
+                if (NORM_X) {
+                    s += dot8(x0, x0);
+                    s += dot8(x1, x1);
+                    s += dot8(x2, x2);
+                    s += dot8(x3, x3);
+                }
+            }
             for (; g + l < groups; g += 2u * l) {
                 let w0 = w_at8(base_a + g);
                 let w1 = w_at8(base_a + g + l);
