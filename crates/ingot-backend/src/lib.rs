@@ -136,6 +136,33 @@ pub fn rms_norm_then_matmul<B: Backend + ?Sized>(
     b.matmul(normed, w, bias, m, n, k, out);
 }
 
+/// [`Backend::rms_norm_qkv_rope_kv_write`]'s default: [`Backend::rms_norm_matmul`] into
+/// `qkv`, then [`Backend::rope_kv_write`]; also the path of a backend whose fusion does not
+/// take the shape.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_qkv_then_rope_kv_write<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buffer,
+    unit: &B::Buffer,
+    eps: f32,
+    w: &B::Buffer,
+    bias: Option<&B::Buffer>,
+    m: usize,
+    k: usize,
+    normed: &mut B::Buffer,
+    qkv: &mut B::Buffer,
+    rope: RopeKvWrite<'_, B>,
+) {
+    let n = rope.layout.row_len();
+    let out = MatmulOut {
+        buf: &mut *qkv,
+        row_stride: n,
+        col_offset: 0,
+    };
+    b.rms_norm_matmul(x, unit, eps, w, bias, m, n, k, normed, out);
+    rope.apply(b, qkv, m);
+}
+
 /// [`Backend::matmul_add`]'s default: [`Backend::matmul`] into `product`, then
 /// [`Backend::add_assign`]; also the path of a backend whose fusion does not take the shape.
 #[allow(clippy::too_many_arguments)]
@@ -197,6 +224,24 @@ pub struct RopeKvWrite<'a, B: Backend + ?Sized> {
     pub cache: CacheLayout,
     pub k_cache: &'a mut B::Buffer,
     pub v_cache: &'a mut B::Buffer,
+}
+
+impl<B: Backend + ?Sized> RopeKvWrite<'_, B> {
+    /// [`Backend::rope_kv_write`] of `m` rows of `qkv` with these arguments.
+    pub fn apply(self, b: &B, qkv: &mut B::Buffer, m: usize) {
+        b.rope_kv_write(
+            qkv,
+            self.layout,
+            self.positions,
+            m,
+            self.cos_sin,
+            self.rotary_dim,
+            self.slot_mapping,
+            self.cache,
+            self.k_cache,
+            self.v_cache,
+        );
+    }
 }
 
 /// Device memory as the backend sees it, in bytes.
@@ -492,25 +537,7 @@ pub trait Backend: Send + Sync {
         qkv: &mut Self::Buffer,
         rope: RopeKvWrite<'_, Self>,
     ) {
-        let n = rope.layout.row_len();
-        let out = MatmulOut {
-            buf: &mut *qkv,
-            row_stride: n,
-            col_offset: 0,
-        };
-        self.rms_norm_matmul(x, unit, eps, w, bias, m, n, k, normed, out);
-        self.rope_kv_write(
-            qkv,
-            rope.layout,
-            rope.positions,
-            m,
-            rope.cos_sin,
-            rope.rotary_dim,
-            rope.slot_mapping,
-            rope.cache,
-            rope.k_cache,
-            rope.v_cache,
-        );
+        rms_norm_qkv_then_rope_kv_write(self, x, unit, eps, w, bias, m, k, normed, qkv, rope);
     }
 
     /// `acc += x · wᵀ` (rows of `n`): [`Backend::matmul`] into `product`, then

@@ -239,18 +239,7 @@ impl<B: Backend> Model<B> {
                     if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                         b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
                     }
-                    b.rope_kv_write(
-                        &mut a.qkv,
-                        layout,
-                        rope.positions,
-                        t,
-                        rope.cos_sin,
-                        rope.rotary_dim,
-                        rope.slot_mapping,
-                        rope.cache,
-                        rope.k_cache,
-                        rope.v_cache,
-                    );
+                    rope.apply(b, &mut a.qkv, t);
                 }
             }
             b.paged_attention(

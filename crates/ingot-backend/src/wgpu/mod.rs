@@ -976,23 +976,8 @@ impl Backend for WgpuBackend {
             && w.dtype == rope.k_cache.dtype
             && w.dtype.block_len() == 1;
         if !fused {
-            let out = MatmulOut {
-                buf: &mut *qkv,
-                row_stride: n,
-                col_offset: 0,
-            };
-            self.rms_norm_matmul(x, unit, eps, w, bias, m, n, k, normed, out);
-            return self.rope_kv_write(
-                qkv,
-                layout,
-                rope.positions,
-                m,
-                rope.cos_sin,
-                rope.rotary_dim,
-                rope.slot_mapping,
-                rope.cache,
-                rope.k_cache,
-                rope.v_cache,
+            return crate::rms_norm_qkv_then_rope_kv_write(
+                self, x, unit, eps, w, bias, m, k, normed, qkv, rope,
             );
         }
         assert_eq!(x.dtype, DType::F32, "matmul reads f32 activations");
