@@ -31,10 +31,13 @@ const _: () = assert!(
     "split_kv_reduce weighs one split per lane"
 );
 /// Fewest tokens one split takes, so short contexts are not cut into slivers and a block
-/// runs long enough over its keys to hide their loading. Same-machine A/B at
-/// Llama-3.1-8B shapes (1024-token contexts), against 64: batch 1 161.2 vs 161.9 tok/s,
-/// 16 2,034 vs 1,988, 64 5,543 vs 5,159 (256 gave 157.0, 1,994 and 5,735).
-const MIN_SPLIT: i32 = 128;
+/// runs long enough over its keys to hide their loading. Same-machine A/B runs at
+/// Llama-3.1-8B shapes (contexts of 1,024 to 1,152 tokens), decode tok/s at batch 1, 16
+/// and 64: 64 gave 161.9, 1,988 and 5,159 against 128's 161.2, 2,034 and 5,543 (256:
+/// 157.0, 1,994, 5,735); later, with the tensor-core kernel, 96 gave 178.0, 2,204 and
+/// 6,084 against 128's 176.2, 2,176 and 6,114 (112: 176.8, 2,192, 6,092), plausibly as its 12
+/// splits a context there fill the SMs' block slots at batch 16, where 9 left a quarter empty.
+const MIN_SPLIT: i32 = 96;
 /// Query heads one split-KV block serves (the kernels' GMAX).
 const HEADS_PER_BLOCK: usize = 16;
 /// Head sizes the attention kernels are instantiated for.
