@@ -293,9 +293,10 @@ pub trait Backend: Send + Sync {
     /// Whether models loaded here fold each RMSNorm's weights into the matrices that read
     /// its output (`w[j, c] * g[c]`, rounded to the matrix dtype) and run their layers
     /// through [`Backend::rms_norm_matmul`], [`Backend::matmul_add`] and
-    /// [`Backend::rms_norm_gated_mlp_add`]: a GPU then computes a norm inside the product
-    /// that reads it (the product reads the whole row anyway) instead of in a kernel of its
-    /// own, which costs a decode step a dispatch and a barrier per norm.
+    /// [`Backend::rms_norm_gated_mlp_add`]: a GPU then computes a norm inside a kernel that
+    /// runs anyway (the product that reads the row, or the kernel that reads the product:
+    /// `rms_norm(x) · wᵀ = (x · wᵀ) / rms(x)`) instead of in a kernel of its own, which costs
+    /// a decode step a dispatch and a barrier per norm.
     fn folds_norm_weights(&self) -> bool {
         false
     }

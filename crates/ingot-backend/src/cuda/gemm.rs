@@ -4,6 +4,8 @@
 //! algorithm are chosen once per shape and kept. For skinny products (decode steps) the
 //! heuristic's first choice is often not the fastest, so the first eager call of such a
 //! shape times the heuristic's candidates on the real operands and keeps the fastest.
+//! A product may also add into `out` (`beta = 1`): the residual connection in the GEMM's
+//! epilogue instead of a kernel of its own.
 
 use crate::DType;
 use anyhow::{anyhow, Result};
@@ -37,6 +39,8 @@ pub struct Shape {
     pub k: usize,
     pub ld: usize,
     pub bias: bool,
+    /// `out += x · wᵀ` instead of `out = x · wᵀ`.
+    pub accumulate: bool,
     /// Largest power of two (≤ 256) dividing every pointer, which limits the algorithms.
     pub align: usize,
 }
@@ -218,12 +222,15 @@ impl Gemm {
 
     /// Times each untimed candidate of `plan` on these operands (a few runs each, between
     /// two events) and keeps the fastest. Skipped while the stream is being captured into a
-    /// graph, where nothing may wait for the device; a later eager call does it.
+    /// graph, where nothing may wait for the device; a later eager call does it. A product
+    /// that adds into its output is timed on a scratch copy of the output's shape, as each
+    /// run would add to the real one.
     ///
     /// # Safety
     /// As for [`Gemm::matmul`].
-    unsafe fn tune(plan: &mut Plan, ops: &Operands) -> Result<()> {
-        use cudarc::driver::result::{event, stream as cu_stream};
+    unsafe fn tune(plan: &mut Plan, ops: &Operands, s: Shape) -> Result<()> {
+        use cudarc::driver::result::stream as cu_stream;
+        use cudarc::driver::result::{event, free_sync, malloc_sync, memset_d8_sync};
         use cudarc::driver::sys::{CUevent_flags, CUstream, CUstreamCaptureStatus};
         if plan.untimed.is_empty() {
             return Ok(());
@@ -231,6 +238,24 @@ impl Gemm {
         let cu = ops.stream as CUstream;
         if cu_stream::is_capturing(cu)? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
             return Ok(());
+        }
+        if s.accumulate {
+            let bytes = s.out.bytes_for((s.m - 1) * s.ld + s.n);
+            let scratch = malloc_sync(bytes)?;
+            memset_d8_sync(scratch, 0, bytes)?;
+            let timed = Self::tune(
+                plan,
+                &Operands {
+                    out: scratch,
+                    ..*ops
+                },
+                Shape {
+                    accumulate: false,
+                    ..s
+                },
+            );
+            free_sync(scratch)?;
+            return timed;
         }
         let start = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
         let end = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
@@ -277,6 +302,7 @@ impl Gemm {
             x,
             w,
             out,
+            accumulate: shape.accumulate,
             workspace: self.workspace,
             workspace_bytes: self.workspace_bytes,
             stream,
@@ -294,18 +320,20 @@ impl Gemm {
         if let Some(b) = bias {
             set_desc(plan.desc, Desc::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b)?;
         }
-        Self::tune(plan, &ops)?;
+        Self::tune(plan, &ops, shape)?;
         ops.launch(plan, &plan.algo).map_err(err("matmul"))?;
         Ok(true)
     }
 }
 
 /// One product's operands, workspace and stream: what a launch of any algorithm needs.
+#[derive(Clone, Copy)]
 struct Operands {
     handle: sys::cublasLtHandle_t,
     x: u64,
     w: u64,
     out: u64,
+    accumulate: bool,
     workspace: u64,
     workspace_bytes: usize,
     stream: sys::cudaStream_t,
@@ -321,7 +349,7 @@ impl Operands {
         plan: &Plan,
         algo: &cublasLtMatmulAlgo_t,
     ) -> Result<(), result::CublasError> {
-        let (alpha, beta) = (1f32, 0f32);
+        let (alpha, beta) = (1f32, if self.accumulate { 1f32 } else { 0f32 });
         result::matmul(
             self.handle,
             plan.desc,

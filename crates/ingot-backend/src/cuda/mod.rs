@@ -13,7 +13,10 @@ mod module;
 pub use library::search_dirs;
 pub use module::{compile, PROGRAMS};
 
-use crate::{AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MemoryInfo, QkvLayout};
+use crate::{
+    rms_norm_qkv_then_rope_kv_write, rms_norm_then_matmul, AttentionMetadata, Backend, CacheLayout,
+    DType, MatmulOut, MemoryInfo, MlpScratch, QkvLayout, RopeKvWrite,
+};
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -44,6 +47,8 @@ const HEADS_PER_BLOCK: usize = 16;
 const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// Most rows a matmul runs through the GEMV kernels instead of cuBLASLt.
 const GEMV_MAX_ROWS: usize = 4;
+/// Values of a row each thread of `silu_mul_normed` computes (the kernel's SILU_VALUES).
+const SILU_VALUES: usize = 8;
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;
 
@@ -381,7 +386,8 @@ impl CudaBackend {
             && [x.ptr, w.ptr].iter().all(|p| p % 16 == 0)
     }
 
-    /// Launches GEMV kernel family `kernel` (`gemv` or `gemv_silu`) for `m` rows.
+    /// Launches GEMV kernel family `kernel` (`gemv`, `gemv_norm` with the norm's `eps`, or
+    /// `gemv_silu`) for `m` rows, adding into `out` where `accumulate`.
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
@@ -393,13 +399,143 @@ impl CudaBackend {
         n: usize,
         k: usize,
         out: MatmulOut<'_, Self>,
+        accumulate: bool,
+        eps: f32,
     ) {
         let o = out.buf.at(out.col_offset);
         let (xp, wp, nn, kk, ldl) = (x.ptr, w.ptr, n as i32, k as i32, out.row_stride as i64);
-        let bp = bias.map_or(0, |b| b.ptr);
+        let (bp, acc) = (bias.map_or(0, |b| b.ptr), i32::from(accumulate));
         launch!(self, format!("{kernel}_{}_{}_m{m}", suffix(x.dtype), suffix(out.buf.dtype)),
             label = format!("{kernel} m{m} n{n} k{k}"),
-            (n.div_ceil(gemv_columns(kernel, m)) as u32, 1, 1), 256; xp, wp, bp, nn, kk, o, ldl);
+            (n.div_ceil(gemv_columns(kernel, m)) as u32, 1, 1), 256;
+            xp, wp, bp, nn, kk, o, ldl, acc, eps);
+    }
+
+    /// `out = x · wᵀ (+ bias)`, or `out += x · wᵀ (+ bias)` where `accumulate`: through the
+    /// GEMV kernels for a few rows, cuBLASLt otherwise.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: MatmulOut<'_, Self>,
+        accumulate: bool,
+    ) {
+        assert_eq!(x.dtype, w.dtype, "matmul operands must share a dtype");
+        assert_eq!(w.numel, n * k, "weight is not [{n}, {k}]");
+        let MatmulOut {
+            buf,
+            row_stride: ld,
+            col_offset,
+        } = out;
+        assert!(
+            col_offset + n <= ld && (m == 0 || buf.numel >= (m - 1) * ld + col_offset + n),
+            "matmul output too small"
+        );
+        if m == 0 {
+            return;
+        }
+        let out_ptr = buf.at(col_offset);
+        let align = [x.ptr, w.ptr, out_ptr, bias.map_or(256, |b| b.ptr)]
+            .iter()
+            .map(|p| 1usize << p.trailing_zeros().min(8))
+            .min()
+            .unwrap_or(1);
+        let shape = gemm::Shape {
+            x: x.dtype,
+            w: w.dtype,
+            out: buf.dtype,
+            m,
+            n,
+            k,
+            ld,
+            bias: bias.is_some(),
+            accumulate,
+            align,
+        };
+        let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+        if self.gemv_fits(x, w, m, k, bias) {
+            let out = MatmulOut {
+                buf,
+                row_stride: ld,
+                col_offset,
+            };
+            return self.gemv("gemv", x, w, bias, m, n, k, out, accumulate, 0.0);
+        }
+        let mut applied = Ok(true);
+        let op = format!(
+            "matmul m{m} n{n} k{k}{}",
+            if accumulate { " +=" } else { "" }
+        );
+        self.timed(&op, || {
+            let mut gemm = self.gemm.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: the shape was checked against the buffers above.
+            let r =
+                unsafe { gemm.matmul(shape, x.ptr, w.ptr, bias.map(|b| b.ptr), out_ptr, stream) };
+            applied = r.as_ref().map(|&a| a).map_err(|e| anyhow::anyhow!("{e:#}"));
+            r.map(|_| ())
+        });
+        if let (Ok(false), Some(b)) = (applied, bias) {
+            let (o, bp, nn, ldl) = (out_ptr, b.ptr, n as i32, ld as i64);
+            launch!(self, format!("bias_add_{}", suffix(buf.dtype)), (m as u32, 1, 1), row_threads(n).min(256); o, bp, nn, ldl);
+        }
+    }
+
+    /// [`Backend::rope_kv_write`]; with `norm` = (x, dim, eps), the qkv rows are products of
+    /// x's un-normalized rows whose RMSNorm weights are folded into the QKV matrix, and are
+    /// first scaled by 1 / rms of x's rows.
+    fn rope_kv_write_normed(
+        &self,
+        qkv: &mut CudaBuffer,
+        rows: usize,
+        rope: RopeKvWrite<'_, Self>,
+        norm: Option<(&CudaBuffer, usize, f32)>,
+    ) {
+        let RopeKvWrite {
+            layout,
+            positions,
+            cos_sin,
+            rotary_dim,
+            slot_mapping,
+            cache,
+            k_cache,
+            v_cache,
+        } = rope;
+        assert!(
+            k_cache.numel >= cache.num_blocks * cache.block_size * layout.kv_len(),
+            "KV cache smaller than its layout"
+        );
+        let heads = layout.num_heads + layout.num_kv_heads;
+        let (q, p, cs, nh, nkv, hd, rd) = (
+            qkv.ptr,
+            positions.ptr,
+            cos_sin.ptr,
+            layout.num_heads as i32,
+            layout.num_kv_heads as i32,
+            layout.head_dim as i32,
+            rotary_dim as i32,
+        );
+        let (s, kc, vc) = (slot_mapping.ptr, k_cache.ptr, v_cache.ptr);
+        let (nx, dim, eps) = norm.map_or((0, 0, 0.0), |(x, d, e)| {
+            assert_eq!(x.dtype, qkv.dtype, "norm input and qkv dtypes");
+            (x.ptr, d as i32, e)
+        });
+        let types = format!("{}_{}", suffix(qkv.dtype), suffix(k_cache.dtype));
+        // Decode batches take a block per head (latency), prefill a block per row.
+        if rows <= DECODE_ROPE_ROWS && layout.head_dim <= 1024 {
+            let all_heads = heads + layout.num_kv_heads;
+            launch!(self, format!("rope_kv_write_heads_{types}"),
+                (rows as u32, all_heads as u32, 1), row_threads(layout.head_dim);
+                q, p, cs, nh, nkv, hd, rd, s, kc, vc, nx, dim, eps);
+        } else {
+            launch!(self, format!("rope_kv_write_{types}"),
+                (rows as u32, 1, 1), row_threads(heads * rotary_dim / 2).min(256);
+                q, p, cs, nh, nkv, hd, rd, s, kc, vc, nx, dim, eps);
+        }
     }
 
     /// Workspace f32 elements one row of split-KV attention needs.
@@ -618,60 +754,7 @@ impl Backend for CudaBackend {
         k: usize,
         out: MatmulOut<'_, Self>,
     ) {
-        assert_eq!(x.dtype, w.dtype, "matmul operands must share a dtype");
-        assert_eq!(w.numel, n * k, "weight is not [{n}, {k}]");
-        let MatmulOut {
-            buf,
-            row_stride: ld,
-            col_offset,
-        } = out;
-        assert!(
-            col_offset + n <= ld && (m == 0 || buf.numel >= (m - 1) * ld + col_offset + n),
-            "matmul output too small"
-        );
-        if m == 0 {
-            return;
-        }
-        let out_ptr = buf.at(col_offset);
-        let align = [x.ptr, w.ptr, out_ptr, bias.map_or(256, |b| b.ptr)]
-            .iter()
-            .map(|p| 1usize << p.trailing_zeros().min(8))
-            .min()
-            .unwrap_or(1);
-        let shape = gemm::Shape {
-            x: x.dtype,
-            w: w.dtype,
-            out: buf.dtype,
-            m,
-            n,
-            k,
-            ld,
-            bias: bias.is_some(),
-            align,
-        };
-        let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
-        if self.gemv_fits(x, w, m, k, bias) {
-            let out = MatmulOut {
-                buf,
-                row_stride: ld,
-                col_offset,
-            };
-            return self.gemv("gemv", x, w, bias, m, n, k, out);
-        }
-        let mut applied = Ok(true);
-        let op = format!("matmul m{m} n{n} k{k}");
-        self.timed(&op, || {
-            let mut gemm = self.gemm.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: the shape was checked against the buffers above.
-            let r =
-                unsafe { gemm.matmul(shape, x.ptr, w.ptr, bias.map(|b| b.ptr), out_ptr, stream) };
-            applied = r.as_ref().map(|&a| a).map_err(|e| anyhow::anyhow!("{e:#}"));
-            r.map(|_| ())
-        });
-        if let (Ok(false), Some(b)) = (applied, bias) {
-            let (o, bp, nn, ldl) = (out_ptr, b.ptr, n as i32, ld as i64);
-            launch!(self, format!("bias_add_{}", suffix(buf.dtype)), (m as u32, 1, 1), row_threads(n).min(256); o, bp, nn, ldl);
-        }
+        self.product(x, w, bias, m, n, k, out, false);
     }
 
     fn add_assign(&self, acc: &mut CudaBuffer, x: &CudaBuffer, numel: usize) {
@@ -770,33 +853,17 @@ impl Backend for CudaBackend {
         k_cache: &mut CudaBuffer,
         v_cache: &mut CudaBuffer,
     ) {
-        assert!(
-            k_cache.numel >= cache.num_blocks * cache.block_size * layout.kv_len(),
-            "KV cache smaller than its layout"
-        );
-        let heads = layout.num_heads + layout.num_kv_heads;
-        let (q, p, cs, nh, nkv, hd, rd) = (
-            qkv.ptr,
-            positions.ptr,
-            cos_sin.ptr,
-            layout.num_heads as i32,
-            layout.num_kv_heads as i32,
-            layout.head_dim as i32,
-            rotary_dim as i32,
-        );
-        let (s, kc, vc) = (slot_mapping.ptr, k_cache.ptr, v_cache.ptr);
-        let types = format!("{}_{}", suffix(qkv.dtype), suffix(k_cache.dtype));
-        // Decode batches take a block per head (latency), prefill a block per row.
-        if rows <= DECODE_ROPE_ROWS && layout.head_dim <= 1024 {
-            let all_heads = heads + layout.num_kv_heads;
-            launch!(self, format!("rope_kv_write_heads_{types}"),
-                (rows as u32, all_heads as u32, 1), row_threads(layout.head_dim);
-                q, p, cs, nh, nkv, hd, rd, s, kc, vc);
-        } else {
-            launch!(self, format!("rope_kv_write_{types}"),
-                (rows as u32, 1, 1), row_threads(heads * rotary_dim / 2).min(256);
-                q, p, cs, nh, nkv, hd, rd, s, kc, vc);
-        }
+        let rope = RopeKvWrite {
+            layout,
+            positions,
+            cos_sin,
+            rotary_dim,
+            slot_mapping,
+            cache,
+            k_cache,
+            v_cache,
+        };
+        self.rope_kv_write_normed(qkv, rows, rope, None);
     }
 
     fn silu_mul_matmul(
@@ -810,10 +877,155 @@ impl Backend for CudaBackend {
         out: MatmulOut<'_, Self>,
     ) {
         if self.gemv_fits(gate_up, w, m, ffn, None) {
-            self.gemv("gemv_silu", gate_up, w, None, m, n, ffn, out);
+            self.gemv("gemv_silu", gate_up, w, None, m, n, ffn, out, false, 0.0);
         } else {
             self.silu_mul(gate_up, m, ffn, act);
             self.matmul(act, w, None, m, n, ffn, out);
+        }
+    }
+
+    /// Norm weights are folded into the products after each norm: a GEMV gathers the norm
+    /// from its reads of x, and a cuBLASLt product runs on the un-normalized rows with the
+    /// kernel that reads its output (RoPE, SiLU·mul) scaling them by 1 / rms; the residual
+    /// adds run in the products' epilogues. No norm or add kernel is left in a layer.
+    fn folds_norm_weights(&self) -> bool {
+        true
+    }
+
+    fn rms_norm_matmul(
+        &self,
+        x: &CudaBuffer,
+        unit: &CudaBuffer,
+        eps: f32,
+        w: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        normed: &mut CudaBuffer,
+        out: MatmulOut<'_, Self>,
+    ) {
+        if self.gemv_fits(x, w, m, k, bias) {
+            self.gemv("gemv_norm", x, w, bias, m, n, k, out, false, eps);
+        } else {
+            rms_norm_then_matmul(self, x, unit, eps, w, bias, m, n, k, normed, out);
+        }
+    }
+
+    fn rms_norm_qkv_rope_kv_write(
+        &self,
+        x: &CudaBuffer,
+        unit: &CudaBuffer,
+        eps: f32,
+        w: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        m: usize,
+        k: usize,
+        normed: &mut CudaBuffer,
+        qkv: &mut CudaBuffer,
+        rope: RopeKvWrite<'_, Self>,
+    ) {
+        // A bias is added after the norm's scale, which the cuBLASLt epilogue cannot do.
+        if bias.is_some() || self.gemv_fits(x, w, m, k, bias) {
+            return rms_norm_qkv_then_rope_kv_write(
+                self, x, unit, eps, w, bias, m, k, normed, qkv, rope,
+            );
+        }
+        let n = rope.layout.row_len();
+        let out = MatmulOut {
+            buf: &mut *qkv,
+            row_stride: n,
+            col_offset: 0,
+        };
+        self.product(x, w, None, m, n, k, out, false);
+        self.rope_kv_write_normed(qkv, m, rope, Some((x, k, eps)));
+    }
+
+    fn matmul_add(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        m: usize,
+        n: usize,
+        k: usize,
+        _product: &mut CudaBuffer,
+        acc: &mut CudaBuffer,
+    ) {
+        let out = MatmulOut {
+            buf: acc,
+            row_stride: n,
+            col_offset: 0,
+        };
+        self.product(x, w, None, m, n, k, out, true);
+    }
+
+    fn rms_norm_gated_mlp_add(
+        &self,
+        residual: &mut CudaBuffer,
+        _unit: &CudaBuffer,
+        eps: f32,
+        gate_up: &CudaBuffer,
+        down: &CudaBuffer,
+        m: usize,
+        k: usize,
+        ffn: usize,
+        scratch: MlpScratch<'_, Self>,
+        _normed: &mut CudaBuffer,
+        _product: &mut CudaBuffer,
+    ) {
+        let gemv = self.gemv_fits(residual, gate_up, m, k, None)
+            && self.gemv_fits(scratch.gate_up, down, m, ffn, None);
+        let gu = MatmulOut {
+            buf: &mut *scratch.gate_up,
+            row_stride: 2 * ffn,
+            col_offset: 0,
+        };
+        if gemv {
+            self.gemv(
+                "gemv_norm",
+                residual,
+                gate_up,
+                None,
+                m,
+                2 * ffn,
+                k,
+                gu,
+                false,
+                eps,
+            );
+        } else {
+            self.product(residual, gate_up, None, m, 2 * ffn, k, gu, false);
+            let (g, f, x, d, o) = (
+                scratch.gate_up.ptr,
+                ffn as i32,
+                residual.ptr,
+                k as i32,
+                scratch.act.ptr,
+            );
+            let chunks = ffn.div_ceil(SILU_VALUES * 256) as u32;
+            launch!(self, format!("silu_mul_normed_{}", suffix(residual.dtype)),
+                (chunks, m as u32, 1), 256; g, f, x, d, eps, o);
+        }
+        let out = MatmulOut {
+            buf: residual,
+            row_stride: k,
+            col_offset: 0,
+        };
+        if gemv {
+            self.gemv(
+                "gemv_silu",
+                scratch.gate_up,
+                down,
+                None,
+                m,
+                k,
+                ffn,
+                out,
+                true,
+                0.0,
+            );
+        } else {
+            self.product(scratch.act, down, None, m, k, ffn, out, true);
         }
     }
 

@@ -556,6 +556,8 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
         (5, 33, 128),
         (12, 24, 264),
         (16, 40, 1032),
+        (16, 72, 1056),
+        (14, 300, 2048),
     ];
     for &dtype in d.activations {
         let mut outs = vec![dtype, DType::F32];
@@ -784,6 +786,7 @@ pub fn residual_stream_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (19, 40, 70),
             (64, 32, 96),
             (70, 64, 64),
+            (16, 64, 128),
         ];
         for ((m, k, ffn), wd) in shapes
             .into_iter()

@@ -60,6 +60,27 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(t);
 }
 
+// 1 / rms(x) of a row of `dim` elements (an RMSNorm's scale), returned to every thread of
+// the block (blockDim.x as for block_sum). 16-byte loads where the row allows, so a thread's
+// loads are few and issued together.
+template <typename T>
+__device__ __forceinline__ float row_inv_rms(const T* x, int dim, float eps) {
+    constexpr int V = 16 / sizeof(T);
+    float ss = 0.0f;
+    if (dim % V == 0 && ((unsigned long long)x & 15) == 0) {
+#pragma unroll 4
+        for (int i = threadIdx.x * V; i < dim; i += blockDim.x * V) {
+            const uint4 r = *reinterpret_cast<const uint4*>(x + i);
+            const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+            for (int v = 0; v < V; v++) ss += to_f32(e[v]) * to_f32(e[v]);
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += to_f32(x[i]) * to_f32(x[i]);
+    }
+    return rsqrtf(block_sum(ss) / dim + eps);
+}
+
 // Sequence owning flattened token row `token`: the largest s with query_start_loc[s] <= token.
 __device__ __forceinline__ int seq_of_token(const int* query_start_loc, int num_seqs, int token) {
     int lo = 0, hi = num_seqs - 1;

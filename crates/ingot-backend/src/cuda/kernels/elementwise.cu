@@ -92,6 +92,33 @@ __device__ void silu_mul(const T* gate_up, long long rows, int ffn, T* out) {
     }
 }
 
+// silu_mul for gate/up rows computed from an un-normalized x, the weights of x's RMSNorm
+// folded into the gate/up matrix: each value is first scaled by 1 / rms of x's row and
+// rounded to T, the value the product of the normalized row would have stored. Grid:
+// (ffn / (SILU_VALUES * blockDim.x) rounded up, rows).
+#define SILU_VALUES 8
+template <typename T>
+__device__ void silu_mul_normed(const T* gate_up, int ffn, const T* x, int dim, float eps,
+                                T* out) {
+    const long long row = blockIdx.y;
+    const float inv = row_inv_rms(x + row * dim, dim, eps);
+    const T* gr = gate_up + row * 2 * ffn;
+    const int j0 = blockIdx.x * SILU_VALUES * blockDim.x + threadIdx.x;
+    float g[SILU_VALUES], u[SILU_VALUES];
+#pragma unroll
+    for (int v = 0; v < SILU_VALUES; v++) {
+        const int j = j0 + v * blockDim.x;
+        g[v] = j < ffn ? to_f32(gr[j]) : 0.0f;
+        u[v] = j < ffn ? to_f32(gr[ffn + j]) : 0.0f;
+    }
+#pragma unroll
+    for (int v = 0; v < SILU_VALUES; v++) {
+        const int j = j0 + v * blockDim.x;
+        const float a = round_to<T>(g[v] * inv), b = round_to<T>(u[v] * inv);
+        if (j < ffn) out[row * ffn + j] = from_f32<T>(a / (1.0f + expf(-a)) * b);
+    }
+}
+
 // One warp per (row, head) over the query and key heads.
 template <typename T>
 __device__ void qk_norm(T* qkv, int num_heads, int num_kv_heads, int head_dim, int row_len,
@@ -148,12 +175,23 @@ __device__ void kv_write(const T* qkv, const int* slots, int q_len, int kv_len, 
 }
 
 // rope then kv_write for one row per block: the rotated keys and the values to the cache.
-// The kernel for prefill rows, where the rows give the parallelism.
+// The kernel for prefill rows, where the rows give the parallelism. With `norm_x`, the qkv
+// row is the product of an un-normalized row of norm_x (dim wide), the weights of its
+// RMSNorm folded into the QKV matrix: it is first scaled by 1 / rms of that row and rounded
+// to T, the row the normalized product would have stored.
 template <typename T, typename C>
 __device__ void rope_kv_write(T* qkv, const int* positions, const float* cos_sin, int num_heads,
                               int num_kv_heads, int head_dim, int rotary_dim, const int* slots,
-                              C* k_cache, C* v_cache) {
+                              C* k_cache, C* v_cache, const T* norm_x, int dim, float eps) {
     const int row_len = (num_heads + 2 * num_kv_heads) * head_dim;
+    if (norm_x) {
+        const long long row = blockIdx.x;
+        const float inv = row_inv_rms(norm_x + row * dim, dim, eps);
+        T* x = qkv + row * row_len;
+        for (int i = threadIdx.x; i < row_len; i += blockDim.x)
+            x[i] = from_f32<T>(to_f32(x[i]) * inv);
+        __syncthreads();
+    }
     rope<T>(qkv, positions, cos_sin, num_heads + num_kv_heads, head_dim, rotary_dim, row_len);
     __syncthreads();
     kv_write<T, C>(qkv, slots, num_heads * head_dim, num_kv_heads * head_dim, row_len, k_cache,
@@ -165,32 +203,34 @@ __device__ void rope_kv_write(T* qkv, const int* positions, const float* cos_sin
 // rotated in place and written to its cache slot, a value head written to its slot. Each
 // thread's loads are issued together, so a decode row costs one round of memory latency
 // rather than one per element a thread of the per-row kernel walks (B=1 at Llama-8B shapes
-// on the H100: 9.2 µs a layer per row, cold, in the per-row kernel).
+// on the H100: 9.2 µs a layer per row, cold, in the per-row kernel). `norm_x` as for
+// rope_kv_write.
 template <typename T, typename C>
 __device__ void rope_kv_write_heads(T* qkv, const int* positions, const float* cos_sin, int num_heads,
                               int num_kv_heads, int head_dim, int rotary_dim, const int* slots,
-                              C* k_cache, C* v_cache) {
+                              C* k_cache, C* v_cache, const T* norm_x, int dim, float eps) {
     const long long row = blockIdx.x;
     const int h = blockIdx.y, i = threadIdx.x;
     const int kv_len = num_kv_heads * head_dim;
     T* x = qkv + row * (num_heads * head_dim + 2 * kv_len) + (long long)h * head_dim;
     const bool rotated = h < num_heads + num_kv_heads && i < rotary_dim;
+    const float inv = norm_x ? row_inv_rms(norm_x + row * dim, dim, eps) : 1.0f;
     float v = 0.0f;
     if (i < head_dim) {
-        v = to_f32(x[i]);
+        v = round_to<T>(to_f32(x[i]) * inv);
         if (rotated) {
             // The pair (j, j + half): x[j] = a c - b s, x[j + half] = b c + a s.
             const int half = rotary_dim / 2, j = i < half ? i : i - half;
             const float* cs = cos_sin + (long long)positions[row] * rotary_dim;
             const float c = cs[j], s = cs[half + j];
-            const float other = to_f32(x[i < half ? i + half : i - half]);
+            const float other = round_to<T>(to_f32(x[i < half ? i + half : i - half]) * inv);
             v = rotate(v, c, i < half ? -other : other, s);
         }
     }
     // Every thread has read its pair before any rotated value is stored.
     __syncthreads();
     if (i >= head_dim) return;
-    if (rotated) x[i] = from_f32<T>(v);
+    if (rotated || norm_x) x[i] = from_f32<T>(v);
     const long long slot = slots[row];
     if (h < num_heads || slot < 0) return;
     // The cache takes the value as the row holds it (rounded to T).
@@ -242,6 +282,11 @@ __device__ void bias_add(T* out, const float* bias, int n, long long ld) {
         await_previous_kernel();                                                                   \
         silu_mul<T>(gu, rows, ffn, out);                                                           \
     }                                                                                              \
+    extern "C" __global__ void silu_mul_normed_##S(const T* gu, int ffn, const T* x, int dim,      \
+                                                   float eps, T* out) {                            \
+        await_previous_kernel();                                                                   \
+        silu_mul_normed<T>(gu, ffn, x, dim, eps, out);                                             \
+    }                                                                                              \
     extern "C" __global__ void qk_norm_##S(T* qkv, int nh, int nkv, int hd, int rl,                \
                                            const float* qw, const float* kw, float eps) {          \
         await_previous_kernel();                                                                   \
@@ -267,17 +312,17 @@ __device__ void bias_add(T* out, const float* bias, int n, long long ld) {
         await_previous_kernel();                                                                   \
         kv_write<T, C>(qkv, slots, q_len, kv_len, rl, kc, vc);                                     \
     }                                                                                              \
-    extern "C" __global__ void rope_kv_write_##S##_##SC(T* qkv, const int* pos, const float* cs,   \
-                                                        int nh, int nkv, int hd, int rd,           \
-                                                        const int* slots, C* kc, C* vc) {          \
+    extern "C" __global__ void rope_kv_write_##S##_##SC(                                           \
+        T* qkv, const int* pos, const float* cs, int nh, int nkv, int hd, int rd,                  \
+        const int* slots, C* kc, C* vc, const T* nx, int dim, float eps) {                         \
         await_previous_kernel();                                                                   \
-        rope_kv_write<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc);                         \
+        rope_kv_write<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc, nx, dim, eps);           \
     }                                                                                              \
     extern "C" __global__ void rope_kv_write_heads_##S##_##SC(                                     \
         T* qkv, const int* pos, const float* cs, int nh, int nkv, int hd, int rd,                  \
-        const int* slots, C* kc, C* vc) {                                                          \
+        const int* slots, C* kc, C* vc, const T* nx, int dim, float eps) {                         \
         await_previous_kernel();                                                                   \
-        rope_kv_write_heads<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc);                   \
+        rope_kv_write_heads<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc, nx, dim, eps);     \
     }
 
 ELEMENTWISE(float, f32)
