@@ -230,33 +230,41 @@ impl Gemm {
     /// As for [`Gemm::matmul`].
     unsafe fn tune(plan: &mut Plan, ops: &Operands, s: Shape) -> Result<()> {
         use cudarc::driver::result::stream as cu_stream;
-        use cudarc::driver::result::{event, free_sync, malloc_sync, memset_d8_sync};
-        use cudarc::driver::sys::{CUevent_flags, CUstream, CUstreamCaptureStatus};
+        use cudarc::driver::result::{free_sync, malloc_sync, memset_d8_sync};
+        use cudarc::driver::sys::{CUstream, CUstreamCaptureStatus};
         if plan.untimed.is_empty() {
             return Ok(());
         }
-        let cu = ops.stream as CUstream;
-        if cu_stream::is_capturing(cu)? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        if cu_stream::is_capturing(ops.stream as CUstream)?
+            != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        {
             return Ok(());
         }
-        if s.accumulate {
-            let bytes = s.out.bytes_for((s.m - 1) * s.ld + s.n);
-            let scratch = malloc_sync(bytes)?;
-            memset_d8_sync(scratch, 0, bytes)?;
-            let timed = Self::tune(
-                plan,
-                &Operands {
-                    out: scratch,
-                    ..*ops
-                },
-                Shape {
-                    accumulate: false,
-                    ..s
-                },
-            );
-            free_sync(scratch)?;
-            return timed;
+        if !s.accumulate {
+            return Self::time_candidates(plan, ops);
         }
+        let bytes = s.out.bytes_for((s.m - 1) * s.ld + s.n);
+        let scratch = malloc_sync(bytes)?;
+        memset_d8_sync(scratch, 0, bytes)?;
+        let timed = Self::time_candidates(
+            plan,
+            &Operands {
+                out: scratch,
+                ..*ops
+            },
+        );
+        free_sync(scratch)?;
+        timed
+    }
+
+    /// [`Gemm::tune`]'s timing: each of `plan`'s untimed candidates on `ops`, the fastest kept.
+    ///
+    /// # Safety
+    /// As for [`Gemm::matmul`].
+    unsafe fn time_candidates(plan: &mut Plan, ops: &Operands) -> Result<()> {
+        use cudarc::driver::result::event;
+        use cudarc::driver::sys::{CUevent_flags, CUstream};
+        let cu = ops.stream as CUstream;
         let start = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
         let end = event::create(CUevent_flags::CU_EVENT_DEFAULT)?;
         let mut best = (f32::INFINITY, plan.algo);

@@ -925,7 +925,8 @@ impl Backend for CudaBackend {
         qkv: &mut CudaBuffer,
         rope: RopeKvWrite<'_, Self>,
     ) {
-        // A bias is added after the norm's scale, which the cuBLASLt epilogue cannot do.
+        // A GEMV takes the norm itself (`rms_norm_matmul`); a bias comes after the norm's
+        // scale, which RoPE scaling a cuBLASLt product's output cannot give.
         if bias.is_some() || self.gemv_fits(x, w, m, k, bias) {
             return rms_norm_qkv_then_rope_kv_write(
                 self, x, unit, eps, w, bias, m, k, normed, qkv, rope,
