@@ -1500,3 +1500,65 @@ pub fn recorded_steps_replay_on_new_inputs<G: Backend>(g: &G, dtype: DType) {
         );
     }
 }
+
+/// A recorded chain of products and the kernels between them (norm, residual add) gives
+/// on every replay, with new inputs, exactly what the same ops give run one by one: a
+/// kernel that started before the one it reads had finished would read stale values.
+pub fn recorded_products_replay_on_new_inputs<G: Backend>(g: &G, dtype: DType, rows: usize) {
+    let mut rng = StdRng::seed_from_u64(11);
+    let (dim, hidden) = (4096, 6144);
+    let norm = up(g, &randn(&mut rng, dim), DType::F32);
+    let w1 = up(g, &randn(&mut rng, hidden * dim), dtype);
+    let w2 = up(g, &randn(&mut rng, dim * hidden), dtype);
+    let w3 = up(g, &randn(&mut rng, dim * dim), dtype);
+    let mut x = g.alloc(dtype, rows * dim).unwrap();
+    let widths = [dim, hidden, dim, dim];
+    let bufs = |g: &G| widths.map(|n| g.alloc(dtype, rows * n).unwrap());
+    let (mut recorded, mut eager) = (bufs(g), bufs(g));
+    let chain = |x: &G::Buffer, b: &mut [G::Buffer; 4]| {
+        let [normed, up1, down, out] = b;
+        g.rms_norm(x, &norm, 1e-5, rows, dim, normed);
+        fn to<B: Backend>(buf: &mut B::Buffer, n: usize) -> MatmulOut<'_, B> {
+            MatmulOut {
+                buf,
+                row_stride: n,
+                col_offset: 0,
+            }
+        }
+        g.matmul(normed, &w1, None, rows, hidden, dim, to::<G>(up1, hidden));
+        g.matmul(up1, &w2, None, rows, dim, hidden, to::<G>(down, dim));
+        g.add_assign(down, x, rows * dim);
+        g.matmul(down, &w3, None, rows, dim, dim, to::<G>(out, dim));
+    };
+    // Run eagerly first, as the engine does before it records a step: a backend may choose
+    // its kernels (and so its roundings) on a product's first eager call.
+    chain(&x, &mut eager);
+    let mut failures = vec![];
+    for round in 0..3 {
+        let v = randn(&mut rng, rows * dim);
+        g.upload(&mut x, &bytes(&v, dtype)).unwrap();
+        g.run_recorded(11, &mut || chain(&x, &mut recorded))
+            .unwrap();
+        chain(&x, &mut eager);
+        for (i, n) in widths.iter().enumerate() {
+            let r = g.download_f32(&recorded[i], rows * n).unwrap();
+            let e = g.download_f32(&eager[i], rows * n).unwrap();
+            let differ: Vec<f32> = r
+                .iter()
+                .zip(&e)
+                .filter(|(a, b)| a != b)
+                .map(|(a, b)| (a - b).abs())
+                .collect();
+            if !differ.is_empty() {
+                failures.push(format!(
+                    "round {round}, buffer {i}: {} of {} values differ, by up to {} ({} recorded zeros)",
+                    differ.len(),
+                    r.len(),
+                    differ.iter().fold(0f32, |m, &d| m.max(d)),
+                    r.iter().filter(|&&v| v == 0.0).count()
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
