@@ -439,6 +439,14 @@ impl CudaBackend {
         if m == 0 {
             return;
         }
+        if self.gemv_fits(x, w, m, k, bias) {
+            let out = MatmulOut {
+                buf,
+                row_stride: ld,
+                col_offset,
+            };
+            return self.gemv("gemv", x, w, bias, m, n, k, out, accumulate, 0.0);
+        }
         let out_ptr = buf.at(col_offset);
         let align = [x.ptr, w.ptr, out_ptr, bias.map_or(256, |b| b.ptr)]
             .iter()
@@ -458,14 +466,6 @@ impl CudaBackend {
             align,
         };
         let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
-        if self.gemv_fits(x, w, m, k, bias) {
-            let out = MatmulOut {
-                buf,
-                row_stride: ld,
-                col_offset,
-            };
-            return self.gemv("gemv", x, w, bias, m, n, k, out, accumulate, 0.0);
-        }
         let mut applied = Ok(true);
         let op = format!(
             "matmul m{m} n{n} k{k}{}",
@@ -982,6 +982,7 @@ impl Backend for CudaBackend {
             col_offset: 0,
         };
         if gemv {
+            // The norm's scale in the gate/up product, SiLU·mul in the down product's loads.
             self.gemv(
                 "gemv_norm",
                 residual,
@@ -994,25 +995,11 @@ impl Backend for CudaBackend {
                 false,
                 eps,
             );
-        } else {
-            self.product(residual, gate_up, None, m, 2 * ffn, k, gu, false);
-            let (g, f, x, d, o) = (
-                scratch.gate_up.ptr,
-                ffn as i32,
-                residual.ptr,
-                k as i32,
-                scratch.act.ptr,
-            );
-            let chunks = ffn.div_ceil(SILU_VALUES * 256) as u32;
-            launch!(self, format!("silu_mul_normed_{}", suffix(residual.dtype)),
-                (chunks, m as u32, 1), 256; g, f, x, d, eps, o);
-        }
-        let out = MatmulOut {
-            buf: residual,
-            row_stride: k,
-            col_offset: 0,
-        };
-        if gemv {
+            let out = MatmulOut {
+                buf: residual,
+                row_stride: k,
+                col_offset: 0,
+            };
             self.gemv(
                 "gemv_silu",
                 scratch.gate_up,
@@ -1025,9 +1012,25 @@ impl Backend for CudaBackend {
                 true,
                 0.0,
             );
-        } else {
-            self.product(scratch.act, down, None, m, k, ffn, out, true);
+            return;
         }
+        self.product(residual, gate_up, None, m, 2 * ffn, k, gu, false);
+        let (g, f, x, d, o) = (
+            scratch.gate_up.ptr,
+            ffn as i32,
+            residual.ptr,
+            k as i32,
+            scratch.act.ptr,
+        );
+        let chunks = ffn.div_ceil(SILU_VALUES * 256) as u32;
+        launch!(self, format!("silu_mul_normed_{}", suffix(residual.dtype)),
+            (chunks, m as u32, 1), 256; g, f, x, d, eps, o);
+        let out = MatmulOut {
+            buf: residual,
+            row_stride: k,
+            col_offset: 0,
+        };
+        self.product(scratch.act, down, None, m, k, ffn, out, true);
     }
 
     fn attention_workspace_len(&self, layout: QkvLayout, max_seqs: usize) -> usize {
