@@ -41,8 +41,10 @@ const _: () = assert!(
 /// 6,084 against 128's 176.2, 2,176 and 6,114 (112: 176.8, 2,192, 6,092), plausibly as its 12
 /// splits a context there fill the SMs' block slots at batch 16, where 9 left a quarter empty.
 const MIN_SPLIT: i32 = 96;
-/// Query heads one split-KV block serves (the kernels' GMAX).
+/// Query heads one split-KV block serves: the CUDA-core kernel's GMAX, the tensor-core
+/// kernel's MMA_HEADS.
 const HEADS_PER_BLOCK: usize = 16;
+const HEADS_PER_MMA_BLOCK: usize = 8;
 /// Head sizes the attention kernels are instantiated for.
 const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// Most rows a matmul runs through the GEMV kernels instead of cuBLASLt.
@@ -328,7 +330,13 @@ impl CudaBackend {
         let (t, c) = (suffix(qkv.dtype), suffix(k_cache.dtype));
         let d = layout.head_dim;
         let group = layout.num_heads / layout.num_kv_heads;
-        let heads_x = (layout.num_kv_heads * group.div_ceil(HEADS_PER_BLOCK)) as u32;
+        let tensor_cores = k_cache.dtype != DType::F32;
+        let heads = if tensor_cores {
+            HEADS_PER_MMA_BLOCK
+        } else {
+            HEADS_PER_BLOCK
+        };
+        let heads_x = (layout.num_kv_heads * group.div_ceil(heads)) as u32;
         let (qkv_p, qsl, sl, bt) = (
             qkv.ptr,
             meta.query_start_loc.ptr,
@@ -352,7 +360,7 @@ impl CudaBackend {
         let ws_o = workspace.ptr;
         let ws_ml = workspace.at(partials * d);
         let grid = (heads_x, rows as u32, NUM_SPLITS as u32);
-        if k_cache.dtype == DType::F32 {
+        if !tensor_cores {
             launch!(self, format!("split_kv_attention_{t}_{c}_d{d}"), grid, 128;
                 qkv_p, qsl, sl, bt, mb, ns, off, kc, vc, bs, nh, nkv, rl, scale, splits,
                 min_part, ws_o, ws_ml);

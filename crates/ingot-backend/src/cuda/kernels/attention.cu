@@ -48,29 +48,40 @@ __device__ __forceinline__ int token_context(const int* query_start_loc, const i
     return seq_lens[s] - q_len + (token - query_start_loc[s]) + 1;
 }
 
-// What one split-KV block serves: query heads h0..h0+G of KV head kvh for flattened token
-// `token` of sequence `seq`, keys [start, end) of split `split` (empty past the context).
-struct SplitWork {
-    int kvh, h0, G, token, seq, split, start, end;
+// Query heads h0..h0+G of KV head kvh that a split-KV block serves, for grid.x = num_kv_heads
+// * head groups of up to HEADS.
+struct HeadGroup {
+    int kvh, h0, G;
 };
 
-// Grid: (num_kv_heads * head groups of up to GMAX, rows, num_splits).
-__device__ __forceinline__ SplitWork split_work(const int* query_start_loc, const int* seq_lens,
-                                                int num_seqs, int token_offset, int num_heads,
-                                                int num_kv_heads, int num_splits, int min_part) {
-    SplitWork w;
+template <int HEADS>
+__device__ __forceinline__ HeadGroup head_group(int num_heads, int num_kv_heads) {
     const int group = num_heads / num_kv_heads;
-    const int groups_per_kv = (group + GMAX - 1) / GMAX;
-    w.kvh = blockIdx.x / groups_per_kv;
-    w.h0 = w.kvh * group + (blockIdx.x % groups_per_kv) * GMAX;
-    w.G = min(GMAX, w.kvh * group + group - w.h0);
-    w.token = token_offset + blockIdx.y;
-    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, w.token, &w.seq);
+    const int groups_per_kv = (group + HEADS - 1) / HEADS;
+    HeadGroup h;
+    h.kvh = blockIdx.x / groups_per_kv;
+    h.h0 = h.kvh * group + (blockIdx.x % groups_per_kv) * HEADS;
+    h.G = min(HEADS, h.kvh * group + group - h.h0);
+    return h;
+}
+
+// Keys [start, end) of split `split` of flattened token `token` (grid.y = its row), which
+// belongs to sequence `seq`; empty past the context.
+struct SplitKeys {
+    int token, seq, split, start, end;
+};
+
+__device__ __forceinline__ SplitKeys split_keys(const int* query_start_loc, const int* seq_lens,
+                                                int num_seqs, int token_offset, int num_splits,
+                                                int min_part) {
+    SplitKeys k;
+    k.token = token_offset + blockIdx.y;
+    const int ctx = token_context(query_start_loc, seq_lens, num_seqs, k.token, &k.seq);
     const int part = split_len(ctx, num_splits, min_part);
-    w.split = blockIdx.z;
-    w.start = w.split * part;
-    w.end = min(ctx, w.start + part);
-    return w;
+    k.split = blockIdx.z;
+    k.start = k.split * part;
+    k.end = min(ctx, k.start + part);
+    return k;
 }
 
 __device__ __forceinline__ u32 smem_address(const void* p) {
@@ -111,11 +122,12 @@ __device__ void split_kv_attention(const T* qkv, const int* query_start_loc, con
     __shared__ __align__(16) C vs[2][BK * ROW];
     __shared__ float qs[GMAX][D];
 
-    const SplitWork sw = split_work(query_start_loc, seq_lens, num_seqs, token_offset, num_heads,
-                                    num_kv_heads, num_splits, min_part);
-    if (sw.start >= sw.end) return;
-    const int kvh = sw.kvh, h0 = sw.h0, G = sw.G, row = blockIdx.y, token = sw.token, s = sw.seq;
-    const int split = sw.split, start = sw.start, end = sw.end;
+    const HeadGroup hg = head_group<GMAX>(num_heads, num_kv_heads);
+    const SplitKeys sk = split_keys(query_start_loc, seq_lens, num_seqs, token_offset, num_splits,
+                                    min_part);
+    if (sk.start >= sk.end) return;
+    const int kvh = hg.kvh, h0 = hg.h0, G = hg.G, row = blockIdx.y, token = sk.token, s = sk.seq;
+    const int split = sk.split, start = sk.start, end = sk.end;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
@@ -343,25 +355,39 @@ __device__ __forceinline__ void online_softmax(float (&sc)[N][4], float& m0, flo
 // ---- tensor-core split-KV decode ----
 
 #define MMA_KEYS 16  // keys per step of one warp
+#define MMA_HEADS 8  // query heads one tensor-core block serves: the n8 of its products
 
-// Two 8x8 16-bit matrices per pair of registers, transposed on the way: lanes 8i..8i+7
-// give the row addresses of matrix i.
+// Four 8x8 16-bit matrices: lanes 8i..8i+7 give the row addresses of matrix i, and lane
+// 4g + t4 receives row g, elements 2t4 and 2t4 + 1 of each (of its transpose with .trans).
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(p)));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_address(p)));
 }
+// An 8x8 16-bit matrix held as ldmatrix leaves it (lane 4g + t4: row g, elements 2t4 and
+// 2t4 + 1), transposed in the same layout.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
 
-// split_kv_attention for 16-bit caches on tensor cores: the heads of the query group are
-// the rows of one m16 tile (rows past the group are zero), so QK^T and PV are mma.sync
-// products and each key is read from shared memory once for the whole group, where the
-// CUDA-core kernel reads it once per head. Same grid, splits and outputs, but a block is
-// one warp: it streams its keys 16 at a time through a two-stage ring of shared memory
-// with no block barrier, and small batches spread over as many SMs as they have splits.
-// Scores and softmax stay in f32; the probabilities enter the PV product as two 16-bit
-// parts (see below). A query in f32 activations is rounded to C for QK^T.
-// H100, Llama-3.1-8B shapes, 1024-token prompts, profiled op by op: 131 -> 96 us a layer at
-// batch 64.
+// split_kv_attention for 16-bit caches on tensor cores. The keys are the m16 rows and the
+// query heads of the group the n8 columns of each product (heads past the group are
+// zero): S^T = K Q^T, then O^T += V^T P^T, so a group of up to 8 heads wastes at most half
+// of the tensor-core work, and the keys and values reach the products through ldmatrix
+// alone. Same grid, splits and outputs as split_kv_attention, with MMA_HEADS heads a block;
+// a block is one warp: it streams its keys 16 at a time through a two-stage ring of shared
+// memory with no block barrier, and small batches spread over as many SMs as they have
+// splits. Scores and softmax stay in f32; the probabilities enter the PV product as two
+// 16-bit parts (see below). A query in f32 activations is rounded to C for QK^T.
+// H100, ncu, B=16 decode at Llama-3.1-8B shapes (1024-token prompts): 31.8 us a layer, against
+// 33.0 with the group's heads as the m16 rows (QK^T and PV of twice the tensor-core work).
 template <typename T, typename C, int D>
 __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int* seq_lens,
                              const int* block_tables, int max_blocks, int num_seqs,
@@ -371,26 +397,46 @@ __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int
     constexpr int ROW = D + 8;  // padded smem row: conflict-free fragment loads
     constexpr int STAGE = 2 * MMA_KEYS * ROW;  // keys, then values
     __shared__ __align__(16) u16 ring[2 * STAGE];
-
-    const SplitWork sw = split_work(query_start_loc, seq_lens, num_seqs, token_offset, num_heads,
-                                    num_kv_heads, num_splits, min_part);
-    if (sw.start >= sw.end) return;
-    const int kvh = sw.kvh, h0 = sw.h0, G = sw.G, row = blockIdx.y, token = sw.token, s = sw.seq;
-    const int split = sw.split, start = sw.start, end = sw.end;
     const int lane = threadIdx.x;
     const int g = lane >> 2, t4 = lane & 3;
 
+    // The query as the B fragments of S^T = K Q^T (lane 4g + t4: head g, dims 2t4, 2t4 + 1
+    // and those + 8 of each 16), requested before the split's metadata, on which they do
+    // not depend.
+    const HeadGroup hg = head_group<MMA_HEADS>(num_heads, num_kv_heads);
+    const int kvh = hg.kvh, h0 = hg.h0, G = hg.G, row = blockIdx.y, token = token_offset + row;
+    u32 qb[D / 16][2];
+    {
+        const T* q = qkv + (long long)token * row_len + (long long)(h0 + g) * D + 2 * t4;
+#pragma unroll
+        for (int kc = 0; kc < D / 16; kc++) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float f[2] = {0.0f, 0.0f};
+                if (g < G) load_f32<T, 2>(q + kc * 16 + i * 8, f);
+                qb[kc][i] = pack2<C>(f[0], f[1]);
+            }
+        }
+    }
+
+    const SplitKeys sk = split_keys(query_start_loc, seq_lens, num_seqs, token_offset, num_splits,
+                                    min_part);
+    if (sk.start >= sk.end) return;
+    const int s = sk.seq, split = sk.split, start = sk.start, end = sk.end;
+
     const int* table = block_tables + (long long)s * max_blocks;
     const int tiles = (end - start + MMA_KEYS - 1) / MMA_KEYS;
-    auto issue = [&](int tile) {
+    // Lane l (and l + 16) finds where key l of a step is; -1 past the split's end. Looked
+    // up a step ahead of its use, so the table's latency hides behind a step's work.
+    auto key_offset = [&](int tile) -> long long {
+        const int t = start + tile * MMA_KEYS + (lane & 15);
+        return t < end ? (((long long)table[t / block_size] * block_size + t % block_size) *
+                              num_kv_heads + kvh) * D
+                       : -1;
+    };
+    auto issue = [&](int tile, long long key_off) {
         u16* ks = ring + (tile & 1) * STAGE;
         u16* vs = ks + MMA_KEYS * ROW;
-        // Lane l (and l + 16) looks up key l of the step; -1 past the split's end.
-        const int t = start + tile * MMA_KEYS + (lane & 15);
-        const long long key_off =
-            t < end ? (((long long)table[t / block_size] * block_size + t % block_size) *
-                           num_kv_heads + kvh) * D
-                    : -1;
 #pragma unroll
         for (int i = 0; i < MMA_KEYS * (D / 8) / 32; i++) {
             const int c = lane + 32 * i;
@@ -402,31 +448,23 @@ __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int
         }
         cp_async_commit();
     };
-    issue(0);
-    if (tiles > 1) issue(1);
+    issue(0, key_offset(0));
+    if (tiles > 1) issue(1, key_offset(1));
+    long long next = tiles > 2 ? key_offset(2) : -1;
 
-    // The query rows, as the A fragments of the m16 tile (loaded while the keys arrive).
-    u32 qa[D / 16][4];
-    const T* qb = qkv + (long long)token * row_len + (long long)h0 * D;
-    auto q2 = [&](int r, int c) -> u32 {
-        if (r >= G) return 0u;
-        float f[2];
-        load_f32<T, 2>(qb + (long long)r * D + c, f);
-        return pack2<C>(f[0], f[1]);
-    };
+    // O^T: lane 4g + t4 holds dims 16i + g and 16i + g + 8 of heads 2t4 and 2t4 + 1.
+    float acc[D / 16][4];
 #pragma unroll
-    for (int kc = 0; kc < D / 16; kc++) {
-        const int c = kc * 16 + 2 * t4;
-        qa[kc][0] = q2(g, c);
-        qa[kc][1] = q2(g + 8, c);
-        qa[kc][2] = q2(g, c + 8);
-        qa[kc][3] = q2(g + 8, c + 8);
-    }
+    for (int i = 0; i < D / 16; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    // Running maxima and sums of heads 2t4 (a) and 2t4 + 1 (b).
+    float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
 
-    float acc[D / 8][4];
-#pragma unroll
-    for (int dn = 0; dn < D / 8; dn++) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    // ldmatrix row addresses. K as the A operand (keys x dims): matrix i is keys
+    // 8(i & 1).., dims 8(i >> 1)..; V^T as the A operand (dims x keys), transposed on the
+    // way: matrix i is keys 8(i >> 1).., dims 8(i & 1)...
+    const int mi = lane >> 3, r8 = lane & 7;
+    const int k_row = ((mi & 1) * 8 + r8) * ROW + (mi >> 1) * 8;
+    const int v_row = ((mi >> 1) * 8 + r8) * ROW + (mi & 1) * 8;
 
     for (int tile = 0; tile < tiles; tile++) {
         if (tile + 1 < tiles) cp_async_wait<1>(); else cp_async_wait<0>();
@@ -434,66 +472,92 @@ __device__ void split_kv_mma(const T* qkv, const int* query_start_loc, const int
         const int k0 = start + tile * MMA_KEYS;
         const u16* ks = ring + (tile & 1) * STAGE;
         const u16* vs = ks + MMA_KEYS * ROW;
-        float sc[2][4];
+        // S^T: lane 4g + t4 holds keys g (0, 1) and g + 8 (2, 3) of heads 2t4, 2t4 + 1.
+        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
-            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-            const u16* kr = ks + (n * 8 + g) * ROW + 2 * t4;
-#pragma unroll
-            for (int kc = 0; kc < D / 16; kc++)
-                mma16816<C>(sc[n], qa[kc], ld32(kr + kc * 16), ld32(kr + kc * 16 + 8));
+        for (int kc = 0; kc < D / 16; kc++) {
+            u32 a[4];
+            ldmatrix_x4(a, ks + k_row + kc * 16);
+            mma16816<C>(sc, a, qb[kc][0], qb[kc][1]);
         }
-        // Key k0 is in range, so every row's maximum is finite.
+        // Key k0 is in range, so every head's maximum is finite.
+        const bool v0 = k0 + g < end, v1 = k0 + g + 8 < end;
+        sc[0] = v0 ? sc[0] * scale : NEG_INF;
+        sc[1] = v0 ? sc[1] * scale : NEG_INF;
+        sc[2] = v1 ? sc[2] * scale : NEG_INF;
+        sc[3] = v1 ? sc[3] * scale : NEG_INF;
+        float xa = fmaxf(sc[0], sc[2]), xb = fmaxf(sc[1], sc[3]);
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const bool valid = k0 + n * 8 + 2 * t4 + e < end;
-                sc[n][e] = valid ? sc[n][e] * scale : NEG_INF;
-                sc[n][2 + e] = valid ? sc[n][2 + e] * scale : NEG_INF;
-            }
+        for (int o = 4; o < 32; o <<= 1) {
+            xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, o));
+            xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, o));
         }
-        online_softmax(sc, m0, m1, l0, l1, acc);
-        // The probabilities as a 16-bit pair hi + lo: their sum carries p to about 16 bits
-        // of mantissa, so PV loses no more than the f32 CUDA-core kernel does.
-        u32 pa[4], pl[4];
+        const float na = fmaxf(ma, xa), nb = fmaxf(mb, xb);
+        const float aa = expf(ma - na), ab = expf(mb - nb);
+        sc[0] = expf(sc[0] - na);
+        sc[1] = expf(sc[1] - nb);
+        sc[2] = expf(sc[2] - na);
+        sc[3] = expf(sc[3] - nb);
+        float ra = sc[0] + sc[2], rb = sc[1] + sc[3];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float x = sc[i >> 1][(i & 1) * 2], y = sc[i >> 1][(i & 1) * 2 + 1];
-            pa[i] = pack2<C>(x, y);
-            const float2 r = unpack2<C>(pa[i]);
-            pl[i] = pack2<C>(x - r.x, y - r.y);
+        for (int o = 4; o < 32; o <<= 1) {
+            ra += __shfl_xor_sync(0xffffffffu, ra, o);
+            rb += __shfl_xor_sync(0xffffffffu, rb, o);
         }
-        // Lane l addresses row l % 8 of matrix l / 8: keys +8 for odd matrices, dims +8
-        // for the upper two, so one load gives the B fragments of two 8-dim tiles.
-        const u16* vr = vs + ((lane >> 3 & 1) * 8 + (lane & 7)) * ROW + (lane >> 4) * 8;
+        la = la * aa + ra;
+        lb = lb * ab + rb;
+        ma = na;
+        mb = nb;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; dn += 2) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, vr + dn * 8);
-            mma16816<C>(acc[dn], pa, b[0], b[1]);
-            mma16816<C>(acc[dn], pl, b[0], b[1]);
-            mma16816<C>(acc[dn + 1], pa, b[2], b[3]);
-            mma16816<C>(acc[dn + 1], pl, b[2], b[3]);
+        for (int i = 0; i < D / 16; i++) {
+            acc[i][0] *= aa;
+            acc[i][1] *= ab;
+            acc[i][2] *= aa;
+            acc[i][3] *= ab;
+        }
+        // P^T as the B fragments of O^T += V^T P^T: the score fragment of keys g (g + 8) is
+        // the 8x8 matrix (keys, heads) in ldmatrix's layout, and its transpose is the B
+        // fragment (lane 4g + t4: head g, keys 2t4, 2t4 + 1). The probabilities go in as a
+        // 16-bit pair hi + lo: their sum carries p to about 16 bits of mantissa, so PV loses
+        // no more than the f32 CUDA-core kernel does.
+        u32 ph[2], pl[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float x = sc[2 * i], y = sc[2 * i + 1];
+            const u32 hi = pack2<C>(x, y);
+            const float2 r = unpack2<C>(hi);
+            ph[i] = movmatrix_trans(hi);
+            pl[i] = movmatrix_trans(pack2<C>(x - r.x, y - r.y));
+        }
+#pragma unroll
+        for (int i = 0; i < D / 16; i++) {
+            u32 a[4];
+            ldmatrix_x4_trans(a, vs + v_row + i * 16);
+            mma16816<C>(acc[i], a, ph[0], ph[1]);
+            mma16816<C>(acc[i], a, pl[0], pl[1]);
         }
         __syncwarp();
-        if (tile + 2 < tiles) issue(tile + 2);
+        if (tile + 2 < tiles) {
+            issue(tile + 2, next);
+            if (tile + 3 < tiles) next = key_offset(tile + 3);
+        }
     }
 
-    // Rows g and g + 8 of the tile are heads h0 + g and h0 + g + 8 where those exist.
+    // Columns 2t4 and 2t4 + 1 are heads h0 + 2t4 and h0 + 2t4 + 1 where those exist.
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int r = g + 8 * half;
+    for (int e = 0; e < 2; e++) {
+        const int r = 2 * t4 + e;
         if (r >= G) continue;
         const long long at = ((long long)row * num_heads + h0 + r) * num_splits + split;
-        float* o = ws_o + at * D + 2 * t4;
+        float* o = ws_o + at * D + g;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; dn++)
-            *reinterpret_cast<float2*>(o + dn * 8) =
-                make_float2(acc[dn][2 * half], acc[dn][2 * half + 1]);
-        if (t4 == 0) {
-            ws_ml[at * 2] = half ? m1 : m0;
-            ws_ml[at * 2 + 1] = half ? l1 : l0;
+        for (int i = 0; i < D / 16; i++) {
+            o[i * 16] = acc[i][e];
+            o[i * 16 + 8] = acc[i][2 + e];
+        }
+        if (g == 0) {
+            ws_ml[at * 2] = e ? mb : ma;
+            ws_ml[at * 2 + 1] = e ? lb : la;
         }
     }
 }
