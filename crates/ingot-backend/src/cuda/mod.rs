@@ -41,16 +41,23 @@ const _: () = assert!(
 /// 6,084 against 128's 176.2, 2,176 and 6,114 (112: 176.8, 2,192, 6,092), plausibly as its 12
 /// splits a context there fill the SMs' block slots at batch 16, where 9 left a quarter empty.
 const MIN_SPLIT: i32 = 96;
-/// Query heads one split-KV block serves: the CUDA-core kernel's GMAX, the tensor-core
-/// kernel's MMA_HEADS.
+/// Query heads one split-KV block serves: in the CUDA-core kernel, and in the tensor-core
+/// kernel (the n8 of its products).
 const HEADS_PER_BLOCK: usize = 16;
 const HEADS_PER_MMA_BLOCK: usize = 8;
 /// Head sizes the attention kernels are instantiated for.
 const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// Most rows a matmul runs through the GEMV kernels instead of cuBLASLt.
 const GEMV_MAX_ROWS: usize = 4;
-/// Values of a row each thread of `silu_mul_normed` computes (the kernel's SILU_VALUES).
+/// Values of a row each thread of `silu_mul_normed` computes.
 const SILU_VALUES: usize = 8;
+/// The constants above that kernels are written against, given to NVRTC as definitions, so
+/// that the grids the host computes and the kernels' indexing come from one value.
+const KERNEL_DEFINITIONS: [(&str, usize); 3] = [
+    ("GMAX", HEADS_PER_BLOCK),
+    ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
+    ("SILU_VALUES", SILU_VALUES),
+];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;
 

@@ -66,6 +66,11 @@ fn options(arch: &str) -> Vec<String> {
         "--std=c++17".into(),
         "--extra-device-vectorization".into(),
     ];
+    opts.extend(
+        super::KERNEL_DEFINITIONS
+            .iter()
+            .map(|(name, value)| format!("--define-macro={name}={value}")),
+    );
     if verbose() {
         opts.push("--ptxas-options=-v".into());
     }

@@ -11,9 +11,10 @@
 // prefill_attention: 64 query tokens x one head per block on tensor cores (mma.sync
 // m16n8k16, f32 accumulation), online softmax in f32, causal over the paged context.
 
+// GMAX and MMA_HEADS, the query heads a block of split_kv_attention and of split_kv_mma
+// serves, are defined by the host (cuda/mod.rs), which sizes the grids by them.
 #define SPLIT_ALIGN 16
 #define WARPS 4
-#define GMAX 16
 
 template <int BYTES> struct Raw;
 template <> struct Raw<2> { typedef u16 t; };
@@ -355,7 +356,6 @@ __device__ __forceinline__ void online_softmax(float (&sc)[N][4], float& m0, flo
 // ---- tensor-core split-KV decode ----
 
 #define MMA_KEYS 16  // keys per step of one warp
-#define MMA_HEADS 8  // query heads one tensor-core block serves: the n8 of its products
 
 // Four 8x8 16-bit matrices: lanes 8i..8i+7 give the row addresses of matrix i, and lane
 // 4g + t4 receives row g, elements 2t4 and 2t4 + 1 of each (of its transpose with .trans).

@@ -95,8 +95,7 @@ __device__ void silu_mul(const T* gate_up, long long rows, int ffn, T* out) {
 // silu_mul for gate/up rows computed from an un-normalized x, the weights of x's RMSNorm
 // folded into the gate/up matrix: each value is first scaled by 1 / rms of x's row and
 // rounded to T, the value the product of the normalized row would have stored. Grid:
-// (ffn / (SILU_VALUES * blockDim.x) rounded up, rows).
-#define SILU_VALUES 8
+// (ffn / (SILU_VALUES * blockDim.x) rounded up, rows); SILU_VALUES is defined by the host.
 template <typename T>
 __device__ void silu_mul_normed(const T* gate_up, int ffn, const T* x, int dim, float eps,
                                 T* out) {
