@@ -9,6 +9,7 @@
 mod gemm;
 mod library;
 mod module;
+mod tma_product;
 
 pub use library::search_dirs;
 pub use module::{compile, PROGRAMS};
@@ -53,10 +54,14 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 3] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 7] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
+    ("TMA_BN", tma_product::BN),
+    ("TMA_BK", tma_product::BK),
+    ("TMA_STAGES", tma_product::STAGES),
+    ("TMA_WARPS", tma_product::WARPS),
 ];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;
@@ -128,6 +133,8 @@ pub struct CudaBackend {
     kernels: module::Kernels,
     gemm: Mutex<gemm::Gemm>,
     _gemm_workspace: CudaSlice<u8>,
+    /// The k parts' partial sums of `tma_product`; on Hopper and later only.
+    product_partials: Option<CudaSlice<u8>>,
     /// The first error an enqueued op raised, reported by the next `synchronize`.
     error: Mutex<Option<anyhow::Error>>,
     graphs: Mutex<HashMap<u64, Graph>>,
@@ -162,6 +169,9 @@ macro_rules! launch {
         launch!($be, name.clone(), label = name, $grid, $block; $($arg),*)
     }};
     ($be:expr, $name:expr, label = $label:expr, $grid:expr, $block:expr; $($arg:ident),* $(,)?) => {{
+        launch!($be, $name, label = $label, shared = 0, $grid, $block; $($arg),*)
+    }};
+    ($be:expr, $name:expr, label = $label:expr, shared = $shared:expr, $grid:expr, $block:expr; $($arg:ident),* $(,)?) => {{
         let name: String = $name;
         let label: String = $label;
         let f = $be.kernels.get(&name);
@@ -169,7 +179,7 @@ macro_rules! launch {
         $be.timed(&label, || {
             // SAFETY: the argument list matches the kernel's signature, and every pointer
             // addresses a live buffer large enough for the shapes passed beside it.
-            unsafe { $be.launch_kernel(&f, $grid, $block, &mut params) }
+            unsafe { $be.launch_kernel(&f, $grid, $block, $shared, &mut params) }
                 .with_context(|| format!("launching {name}"))
         });
     }};
@@ -214,12 +224,18 @@ impl CudaBackend {
             "{name}: programmatic dependent launch {}",
             if dependent_launch { "on" } else { "off" }
         );
+        let product_partials = if major >= 9 {
+            Some(stream.alloc_zeros::<u8>(tma_product::PARTIALS_BYTES)?)
+        } else {
+            None
+        };
         Ok(CudaBackend {
             ctx,
             stream,
             kernels,
             gemm: Mutex::new(gemm),
             _gemm_workspace: workspace,
+            product_partials,
             error: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
             profiler: Mutex::new(None),
@@ -283,10 +299,19 @@ impl CudaBackend {
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
+        shared: u32,
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<()> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread()?;
+        if shared > 0 {
+            sys::cuFuncSetAttribute(
+                f.cu_function(),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .result()?;
+        }
         let mut overlap: sys::CUlaunchAttribute = std::mem::zeroed();
         overlap.id =
             sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -298,7 +323,7 @@ impl CudaBackend {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: shared,
             hStream: self.stream.cu_stream(),
             attrs: &mut overlap,
             numAttrs: u32::from(self.dependent_launch),
@@ -401,6 +426,73 @@ impl CudaBackend {
             && [x.ptr, w.ptr].iter().all(|p| p % 16 == 0)
     }
 
+    /// The k parts a product of `m` rows past the GEMV's takes through `tma_product`
+    /// (Hopper and later, 16-bit operands, no bias, whole tiles and stages), or None.
+    fn tma_product_parts(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        m: usize,
+        n: usize,
+        k: usize,
+        bias: Option<&CudaBuffer>,
+    ) -> Option<usize> {
+        self.product_partials.as_ref()?;
+        let fits = m <= tma_product::MAX_ROWS
+            && bias.is_none()
+            && matches!(x.dtype, DType::F16 | DType::BF16)
+            && x.dtype == w.dtype
+            && n.is_multiple_of(tma_product::BN)
+            && k.is_multiple_of(tma_product::BK)
+            && [x.ptr, w.ptr].iter().all(|p| p % 16 == 0);
+        let parts = tma_product::k_parts(n, k, self.sm_count as usize);
+        (fits && parts * m * n * 4 <= tma_product::PARTIALS_BYTES).then_some(parts)
+    }
+
+    /// `out (+)= x · wᵀ` through `tma_product` in `parts` k parts, then their sum.
+    #[allow(clippy::too_many_arguments)]
+    fn tma_product(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        m: usize,
+        n: usize,
+        k: usize,
+        parts: usize,
+        out: MatmulOut<'_, Self>,
+        accumulate: bool,
+    ) {
+        let maps = tma_product::tensor_map(w.ptr, w.dtype, n, k, tma_product::BN).and_then(|wm| {
+            Ok((
+                wm,
+                tma_product::tensor_map(x.ptr, x.dtype, m, k, tma_product::BOX_ROWS)?,
+            ))
+        });
+        let (wmap, xmap) = match maps {
+            Ok(maps) => maps,
+            Err(e) => return self.record(Err(e.context("encoding tma_product's tensor maps"))),
+        };
+        let partial = self
+            .product_partials
+            .as_ref()
+            .expect("tma_product runs only where its partial sums exist")
+            .device_ptr(&self.stream)
+            .0;
+        let units = n / tma_product::BN * parts;
+        let (nn, kk, pp, mm) = (n as i32, k as i32, parts as i32, m as i32);
+        launch!(self, format!("tma_product_{}", suffix(x.dtype)),
+            label = format!("tma_product m{m} n{n} k{k}"),
+            shared = tma_product::SHARED_BYTES,
+            (units.min(self.sm_count as usize) as u32, 1, 1), tma_product::THREADS;
+            wmap, xmap, partial, nn, kk, pp, mm);
+        let o = out.buf.at(out.col_offset);
+        let (ldl, acc) = (out.row_stride as i64, i32::from(accumulate));
+        launch!(self, format!("tma_product_sum_{}", suffix(out.buf.dtype)),
+            label = format!("tma_product_sum m{m} n{n}"),
+            ((m * n).div_ceil(256) as u32, 1, 1), 256;
+            partial, nn, pp, mm, o, ldl, acc);
+    }
+
     /// Launches GEMV kernel family `kernel` (`gemv`, `gemv_norm` with the norm's `eps`, or
     /// `gemv_silu`) for `m` rows, adding into `out` where `accumulate`.
     #[allow(clippy::too_many_arguments)]
@@ -461,6 +553,14 @@ impl CudaBackend {
                 col_offset,
             };
             return self.gemv("gemv", x, w, bias, m, n, k, out, accumulate, 0.0);
+        }
+        if let Some(parts) = self.tma_product_parts(x, w, m, n, k, bias) {
+            let out = MatmulOut {
+                buf,
+                row_stride: ld,
+                col_offset,
+            };
+            return self.tma_product(x, w, m, n, k, parts, out, accumulate);
         }
         let out_ptr = buf.at(col_offset);
         let align = [x.ptr, w.ptr, out_ptr, bias.map_or(256, |b| b.ptr)]

@@ -558,6 +558,10 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
         (16, 40, 1032),
         (16, 72, 1056),
         (14, 300, 2048),
+        (8, 128, 512),
+        (7, 192, 1024),
+        (5, 64, 4096),
+        (8, 2048, 4096),
     ];
     for &dtype in d.activations {
         let mut outs = vec![dtype, DType::F32];
@@ -637,6 +641,7 @@ pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (19, 70, 130),
             (11, 24, 96),
             (16, 48, 264),
+            (6, 128, 512),
         ];
         for ((m, n, ffn), wd) in shapes
             .into_iter()
@@ -703,6 +708,7 @@ pub fn gated_mlp_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (19, 40, 70, 24),
             (64, 32, 96, 64),
             (70, 64, 64, 32),
+            (8, 1024, 1024, 1024),
         ];
         for ((m, k, ffn, n), wd) in shapes
             .into_iter()
@@ -787,6 +793,7 @@ pub fn residual_stream_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (64, 32, 96),
             (70, 64, 64),
             (16, 64, 128),
+            (8, 256, 512),
         ];
         for ((m, k, ffn), wd) in shapes
             .into_iter()
@@ -956,6 +963,7 @@ pub fn attention_input_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (LAYOUTS[4], 64, 70),
             (LAYOUTS[5], 128, 3),
             (LAYOUTS[0], 36, 5),
+            (LAYOUTS[1], 256, 8),
         ];
         for (layout, k, m) in cases {
             let n = layout.row_len();

@@ -1,0 +1,224 @@
+// Products of 5 to 8 rows on Hopper: out = x · wᵀ (+ out where `accumulate`), f32 sums.
+// cuBLASLt's kernels for these shapes cannot start before the kernel ahead of them ends
+// (they take no part in programmatic dependent launch). Here the weights and the input
+// reach shared memory by TMA tensor copies (one copy a 64-wide k slab of TMA_BN weight rows
+// or of the 16 input rows, 128-byte swizzled) into a ring of TMA_STAGES stages, each guarded
+// by a full and an empty mbarrier. One lane issues the copies, and requests its first
+// stages of weights before it waits for the kernel ahead, as no kernel writes weights.
+// TMA_WARPS consumer warps (4 along k, the rest along the m16 tiles) multiply from the
+// stages and release each stage on their own, so no block-wide barrier sits in the stream.
+// One block an SM loops over work units of TMA_BN weight rows x one of `ksplit` k parts and
+// writes f32 partial sums per part; `tma_product_sum` adds the parts in order, so results
+// depend neither on the row count nor on timing. (A block that merged a tile's parts
+// itself, after a counter per tile, stalled the ring: 15% slower at 16 rows.) (H100, 16 rows at Llama-3.1-8B shapes,
+// scripts/gpu/tma_gemm.cu: at or ahead of cuBLAS per product, and 157.2 against 171.9 µs
+// for a layer's four products back to back with programmatic launch.)
+//
+// Lane (g, t) takes the 16-byte pieces 2t and 2t + 1 of a slab (k 16t .. 16t + 15) from
+// rows g and g + 8 of each m16 tile and of the input: piece q of row r sits at piece
+// q ^ (r % 8), so the 8 lanes of one phase of a 128-bit shared load (rows g and g + 1) meet
+// no bank twice. The m16n8k16 products take those k in that order for both operands, as a
+// dot product may.
+
+#define TMA_KW 4
+#define TMA_ROWS 16
+
+// A CUtensorMap: 128 opaque bytes, encoded on the host.
+struct __align__(64) TensorMap {
+    unsigned long long bits[16];
+};
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+__device__ __forceinline__ void tensor_copy(u32 dst, const TensorMap* map, int k, int row, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+        "{%2, %3}], [%4];" ::"r"(dst),
+        "l"(map), "r"(k), "r"(row), "r"(bar)
+        : "memory");
+}
+
+template <typename T>
+__device__ void tma_product(const TensorMap* wmap, const TensorMap* xmap, float* partial, int n,
+                            int k, int ksplit, int m) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // The 128-byte swizzle repeats every 1024 bytes, from a 1024-byte boundary.
+    unsigned char* smem = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+    constexpr int SLABS = TMA_BK / 64, WSLAB = TMA_BN * 128, XSLAB = TMA_ROWS * 128;
+    constexpr int STAGE = SLABS * (WSLAB + XSLAB), STAGE_BYTES = (TMA_BN + TMA_ROWS) * TMA_BK * 2;
+    constexpr int MT = TMA_BN / 16 / (TMA_WARPS / TMA_KW);
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + TMA_STAGES * STAGE);
+    unsigned long long* empty = full + TMA_STAGES;
+    float* sums = reinterpret_cast<float*>(empty + TMA_STAGES);  // [TMA_KW][TMA_ROWS][TMA_BN]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kpart = k / ksplit, steps = kpart / TMA_BK, units = n / TMA_BN * ksplit;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < TMA_STAGES; s++) {
+            mbar_init(smem_address(&full[s]), 1);
+            mbar_init(smem_address(&empty[s]), TMA_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == TMA_WARPS) {
+        if (lane != 0) return;
+        auto copy = [&](int slot, int row0, int kk, bool weights) {
+            unsigned char* stage = smem + slot * STAGE;
+            const u32 bar = smem_address(&full[slot]);
+#pragma unroll
+            for (int sl = 0; sl < SLABS; sl++) {
+                if (weights)
+                    tensor_copy(smem_address(stage + sl * WSLAB), wmap, kk + sl * 64, row0, bar);
+                else
+                    tensor_copy(smem_address(stage + SLABS * WSLAB + sl * XSLAB), xmap, kk + sl * 64,
+                                0, bar);
+            }
+        };
+        const int pre = min(TMA_STAGES, steps);
+        {
+            const int row0 = blockIdx.x / ksplit * TMA_BN, k0 = blockIdx.x % ksplit * kpart;
+            for (int s = 0; s < pre; s++) {
+                mbar_expect(smem_address(&full[s]), STAGE_BYTES);
+                copy(s, row0, k0 + s * TMA_BK, true);
+            }
+            await_previous_kernel();
+            for (int s = 0; s < pre; s++) copy(s, row0, k0 + s * TMA_BK, false);
+        }
+        int it = pre;
+        for (int u = blockIdx.x; u < units; u += gridDim.x) {
+            const int row0 = u / ksplit * TMA_BN, k0 = u % ksplit * kpart;
+            for (int s = u == (int)blockIdx.x ? pre : 0; s < steps; s++, it++) {
+                const int slot = it % TMA_STAGES, round = it / TMA_STAGES;
+                if (it >= TMA_STAGES) mbar_wait(smem_address(&empty[slot]), (round & 1) ^ 1);
+                mbar_expect(smem_address(&full[slot]), STAGE_BYTES);
+                copy(slot, row0, k0 + s * TMA_BK, true);
+                copy(slot, row0, k0 + s * TMA_BK, false);
+            }
+        }
+        return;
+    }
+    // The partial sums overwrite what the kernel ahead (the last product's sum) reads.
+    await_previous_kernel();
+    const int g = lane >> 2, t = lane & 3, kw = warp % TMA_KW, mt0 = warp / TMA_KW * MT;
+    int it = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int row0 = u / ksplit * TMA_BN, kp = u % ksplit;
+        float acc[MT][2][4];
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[i][h][e] = 0.0f;
+        for (int s = 0; s < steps; s++, it++) {
+            const int slot = it % TMA_STAGES, round = it / TMA_STAGES;
+            mbar_wait(smem_address(&full[slot]), round & 1);
+            const unsigned char* stage = smem + slot * STAGE;
+#pragma unroll
+            for (int cs = kw; cs < TMA_BK / 32; cs += TMA_KW) {
+                const int sl = cs / 2, piece = ((2 * t + cs % 2) ^ g) * 16;
+                const unsigned char* xs = stage + SLABS * WSLAB + sl * XSLAB;
+                const uint4 xa = *reinterpret_cast<const uint4*>(xs + g * 128 + piece);
+                const uint4 xb = *reinterpret_cast<const uint4*>(xs + (g + 8) * 128 + piece);
+                const unsigned char* ws = stage + sl * WSLAB;
+#pragma unroll
+                for (int i = 0; i < MT; i++) {
+                    const int r = (mt0 + i) * 16 + g;
+                    const uint4 a = *reinterpret_cast<const uint4*>(ws + r * 128 + piece);
+                    const uint4 b = *reinterpret_cast<const uint4*>(ws + (r + 8) * 128 + piece);
+                    const u32 lo[4] = {a.x, b.x, a.y, b.y}, hi[4] = {a.z, b.z, a.w, b.w};
+                    mma16816<T>(acc[i][0], lo, xa.x, xa.y);
+                    mma16816<T>(acc[i][0], hi, xa.z, xa.w);
+                    mma16816<T>(acc[i][1], lo, xb.x, xb.y);
+                    mma16816<T>(acc[i][1], hi, xb.z, xb.w);
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_address(&empty[slot]));
+        }
+        // acc[i][h]: weight rows (mt0 + i) * 16 + g (+ 8), input rows 8h + 2t (+ 1).
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float* p = sums + (kw * TMA_ROWS + 8 * h + 2 * t) * TMA_BN + (mt0 + i) * 16 + g;
+                p[0] = acc[i][h][0];
+                p[TMA_BN] = acc[i][h][1];
+                p[8] = acc[i][h][2];
+                p[TMA_BN + 8] = acc[i][h][3];
+            }
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * TMA_WARPS));
+        for (int i = threadIdx.x; i < m * TMA_BN; i += 32 * TMA_WARPS) {
+            float v = 0.0f;
+#pragma unroll
+            for (int q = 0; q < TMA_KW; q++) v += sums[q * TMA_ROWS * TMA_BN + i];
+            partial[((long long)kp * m + i / TMA_BN) * n + row0 + i % TMA_BN] = v;
+        }
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * TMA_WARPS));
+    }
+}
+#endif
+
+// Grid: min(units, SMs) blocks of TMA_WARPS + 1 warps, the dynamic shared memory the host
+// computes (tma_product::SHARED_BYTES). n is a multiple of TMA_BN and k of ksplit * TMA_BK.
+// The kernel waits for the one before inside tma_product, after its first weight copies.
+#if __CUDA_ARCH__ >= 900
+#define TMA_PRODUCT_BODY(T) tma_product<T>(&wmap, &xmap, partial, n, k, ksplit, m);
+#else
+#define TMA_PRODUCT_BODY(T)
+#endif
+#define TMA_PRODUCT(T, S)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * (TMA_WARPS + 1), 1) tma_product_##S(        \
+        const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,            \
+        float* partial, int n, int k, int ksplit, int m) {                                         \
+        TMA_PRODUCT_BODY(T)                                                                        \
+    }
+
+TMA_PRODUCT(bf16, bf16)
+TMA_PRODUCT(f16, f16)
+
+// out[r, j] (+)= Σ_p partial[p, r, j], the parts in order. Grid: ceil(m * n / 256) blocks.
+template <typename O>
+__device__ void tma_product_sum(const float* partial, int n, int ksplit, int m, O* out,
+                                long long ld, int accumulate) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m * n) return;
+    const int r = i / n, j = i % n;
+    float v = 0.0f;
+    for (int p = 0; p < ksplit; p++) v += partial[(long long)p * m * n + i];
+    O* o = out + r * ld + j;
+    if (accumulate) v += to_f32(*o);
+    *o = from_f32<O>(v);
+}
+
+#define TMA_PRODUCT_SUM(O, SO)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) tma_product_sum_##SO(                       \
+        const float* partial, int n, int ksplit, int m, O* out, long long ld, int accumulate) {   \
+        await_previous_kernel();                                                                   \
+        tma_product_sum<O>(partial, n, ksplit, m, out, ld, accumulate);                            \
+    }
+
+TMA_PRODUCT_SUM(bf16, bf16)
+TMA_PRODUCT_SUM(f16, f16)
+TMA_PRODUCT_SUM(float, f32)
