@@ -54,7 +54,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 7] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 9] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -62,6 +62,8 @@ const KERNEL_DEFINITIONS: [(&str, usize); 7] = [
     ("TMA_BK", tma_product::BK),
     ("TMA_STAGES", tma_product::STAGES),
     ("TMA_WARPS", tma_product::WARPS),
+    ("TMA_KW", tma_product::K_WARPS),
+    ("TMA_ROWS", tma_product::BOX_ROWS),
 ];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;

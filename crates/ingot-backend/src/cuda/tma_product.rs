@@ -22,8 +22,8 @@ pub const BOX_ROWS: usize = 16;
 /// 2,222.4 against cuBLASLt's 2,242.5 / 2,233.4 tok/s; B=8 1,239.7 / 1,238.0 against
 /// 1,204.9 / 1,201.6).
 pub const MAX_ROWS: usize = 8;
-/// Consumer warps along k (the kernel's TMA_KW); the others split the m16 tiles.
-const K_WARPS: usize = 4;
+/// Consumer warps along k; the others split the m16 tiles.
+pub const K_WARPS: usize = 4;
 /// Bytes of the f32 partial sums of the k parts.
 pub const PARTIALS_BYTES: usize = 32 << 20;
 
@@ -36,6 +36,10 @@ pub const SHARED_BYTES: u32 = (1024
     + STAGES * BK / 64 * (BN + BOX_ROWS) * 128
     + 2 * STAGES * 8
     + K_WARPS * BOX_ROWS * BN * 4) as u32;
+const _: () = assert!(
+    WARPS.is_multiple_of(K_WARPS) && (BN / 16).is_multiple_of(WARPS / K_WARPS),
+    "tma_product's warps must split k and the m16 tiles evenly"
+);
 const _: () = assert!(
     SHARED_BYTES as usize <= 227 * 1024,
     "tma_product's ring does not fit in an SM's shared memory"

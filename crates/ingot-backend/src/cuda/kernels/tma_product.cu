@@ -10,18 +10,15 @@
 // One block an SM loops over work units of TMA_BN weight rows x one of `ksplit` k parts and
 // writes f32 partial sums per part; `tma_product_sum` adds the parts in order, so results
 // depend neither on the row count nor on timing. (A block that merged a tile's parts
-// itself, after a counter per tile, stalled the ring: 15% slower at 16 rows.) (H100, 16 rows at Llama-3.1-8B shapes,
-// scripts/gpu/tma_gemm.cu: at or ahead of cuBLAS per product, and 157.2 against 171.9 µs
-// for a layer's four products back to back with programmatic launch.)
+// itself, after a counter per tile, stalled its ring: 15% slower at 16 rows.) H100, 16 rows
+// at Llama-3.1-8B shapes, scripts/gpu/tma_gemm.cu: at or ahead of cuBLAS per product, and
+// 157.2 against 171.9 µs for a layer's four products back to back with programmatic launch.
 //
 // Lane (g, t) takes the 16-byte pieces 2t and 2t + 1 of a slab (k 16t .. 16t + 15) from
 // rows g and g + 8 of each m16 tile and of the input: piece q of row r sits at piece
 // q ^ (r % 8), so the 8 lanes of one phase of a 128-bit shared load (rows g and g + 1) meet
 // no bank twice. The m16n8k16 products take those k in that order for both operands, as a
 // dot product may.
-
-#define TMA_KW 4
-#define TMA_ROWS 16
 
 // A CUtensorMap: 128 opaque bytes, encoded on the host.
 struct __align__(64) TensorMap {
