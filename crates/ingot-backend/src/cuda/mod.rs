@@ -158,6 +158,14 @@ fn suffix(dtype: DType) -> &'static str {
     }
 }
 
+/// Whether `x` and `w` are 16-bit operands of one type at 16-byte aligned addresses, as the
+/// GEMV's and `tma_product`'s 16-byte loads and copies need.
+fn streams_16bit(x: &CudaBuffer, w: &CudaBuffer) -> bool {
+    matches!(x.dtype, DType::F16 | DType::BF16)
+        && x.dtype == w.dtype
+        && [x.ptr, w.ptr].iter().all(|p| p % 16 == 0)
+}
+
 /// Threads for a row-wise kernel over rows of `dim`: a warp multiple, at most 1024.
 fn row_threads(dim: usize) -> u32 {
     (dim.div_ceil(32) * 32).clamp(32, 1024) as u32
@@ -422,10 +430,8 @@ impl CudaBackend {
     ) -> bool {
         m <= GEMV_MAX_ROWS
             && bias.is_none_or(|b| b.dtype == DType::F32)
-            && matches!(x.dtype, DType::F16 | DType::BF16)
-            && x.dtype == w.dtype
             && k.is_multiple_of(8)
-            && [x.ptr, w.ptr].iter().all(|p| p % 16 == 0)
+            && streams_16bit(x, w)
     }
 
     /// The k parts a product of `m` rows past the GEMV's takes through `tma_product`
@@ -442,13 +448,14 @@ impl CudaBackend {
         self.product_partials.as_ref()?;
         let fits = m <= tma_product::MAX_ROWS
             && bias.is_none()
-            && matches!(x.dtype, DType::F16 | DType::BF16)
-            && x.dtype == w.dtype
             && n.is_multiple_of(tma_product::BN)
             && k.is_multiple_of(tma_product::BK)
-            && [x.ptr, w.ptr].iter().all(|p| p % 16 == 0);
+            && streams_16bit(x, w);
+        if !fits {
+            return None;
+        }
         let parts = tma_product::k_parts(n, k, self.sm_count as usize);
-        (fits && parts * m * n * 4 <= tma_product::PARTIALS_BYTES).then_some(parts)
+        (parts * m * n * 4 <= tma_product::PARTIALS_BYTES).then_some(parts)
     }
 
     /// `out (+)= x · wᵀ` through `tma_product` in `parts` k parts, then their sum.

@@ -233,8 +233,9 @@ mod tests {
     /// (programmatic dependent launch): one that touched memory before
     /// `await_previous_kernel()` could read stale inputs or overwrite ones still being read,
     /// and only sometimes. So each kernel's body opens with the wait, except
-    /// `tma_product`'s: its first weight copies go out before the wait (no kernel writes
-    /// weights), and its input copies and writes after it.
+    /// `tma_product`'s: its producer lane issues its first weight copies before the wait
+    /// (no kernel writes weights), and both the producer and the consumer warps wait before
+    /// they copy the input or write.
     #[test]
     fn every_kernel_first_waits_for_the_previous_one() {
         const WAIT: &str = "await_previous_kernel();";
@@ -242,12 +243,20 @@ mod tests {
         for (name, source) in PROGRAMS {
             for (i, _) in source.match_indices("extern \"C\" __global__") {
                 let signature = source[i..].lines().next().unwrap_or_default();
-                let head = &source[i..][..source[i..].find('{').expect("a kernel body")];
-                if head.contains("tma_product_##") {
-                    assert!(source.contains(WAIT), "tma_product.cu never waits");
+                let open = source[i..].find('{').expect("a kernel body");
+                if source[i..][..open].contains("tma_product_##") {
+                    let start = source
+                        .find("__device__ void tma_product(")
+                        .expect("tma_product's body");
+                    let end = start + source[start..].find("\n}\n").expect("its end");
+                    assert_eq!(
+                        source[start..end].matches(WAIT).count(),
+                        2,
+                        "tma_product's producer and consumers must each wait"
+                    );
                     continue;
                 }
-                let body = &source[i..][source[i..].find('{').expect("a kernel body") + 1..];
+                let body = &source[i..][open + 1..];
                 let first: String = body
                     .chars()
                     .filter(|c| !c.is_whitespace() && *c != '\\')
