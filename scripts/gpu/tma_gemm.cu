@@ -348,6 +348,57 @@ float chain(bool pdl, const Shape* shs, const unsigned short* (*ws)[4], const un
   return ts[ts.size() / 2];
 }
 
+// The same chain with each product on its own tile and k split: `cfgs[p]` runs product p.
+using Kernel = void (*)(const CUtensorMap, const CUtensorMap, float*, int, int, int);
+struct Config {
+  Kernel f;
+  size_t bytes;
+  int bn;
+  const char* name;
+};
+template <int BN, int BK, int STAGES, int CONSUMERS>
+Config config(const char* name) {
+  const size_t bytes = 1024 + (size_t)STAGES * BK / 64 * (BN + M) * 128 + 2 * STAGES * 8 + KW * M * BN * 4;
+  Kernel f = tma_gemm<BN, BK, STAGES, CONSUMERS, true>;
+  CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  return {f, bytes, BN, name};
+}
+float chain_mixed(bool pdl, const Shape* shs, const Config* cfgs, const unsigned short* (*ws)[4],
+                  const unsigned short* x, float* out, int sms) {
+  CUtensorMap wm[2][4], xm[4];
+  for (int p = 0; p < 4; p++) {
+    for (int set = 0; set < 2; set++) wm[set][p] = tensor_map(ws[set][p], shs[p].n, shs[p].k, cfgs[p].bn);
+    xm[p] = tensor_map(x, M, shs[p].k, M);
+  }
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> ts;
+  for (int rep = 0; rep < 6; rep++) {
+    cudaEventRecord(a);
+    for (int layer = 0; layer < 32; layer++)
+      for (int p = 0; p < 4; p++) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.blockDim = dim3(32 * 9);
+        cfg.dynamicSmemBytes = cfgs[p].bytes;
+        cfg.attrs = pdl ? &attr : nullptr;
+        cfg.numAttrs = pdl ? 1 : 0;
+        cfg.gridDim = dim3(std::min(shs[p].n / cfgs[p].bn * shs[p].ksplit, sms));
+        CHECK(cudaLaunchKernelEx(&cfg, cfgs[p].f, wm[layer % 2][p], xm[p], out, shs[p].n, shs[p].k, shs[p].ksplit));
+      }
+    cudaEventRecord(b);
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    if (rep > 0) ts.push_back(ms * 1000.0f / 32);
+  }
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
 float chain_cublas(cublasHandle_t h, const Shape* shs, const unsigned short* (*ws)[4], const unsigned short* x,
                    unsigned short* out) {
   cudaEvent_t a, b;
@@ -413,6 +464,13 @@ int main() {
     Shape more = sh;
     more.ksplit *= 2;
     shape<128, 128, 5, 8>(more, x, wc, out, ref, flush, sms, bw);
+    Shape whole = sh;
+    whole.ksplit = 1;
+    shape<64, 256, 5, 8>(whole, x, wc, out, ref, flush, sms, bw);
+    shape<32, 256, 8, 8>(whole, x, wc, out, ref, flush, sms, bw);
+    Shape half = sh;
+    half.ksplit = 2;
+    shape<32, 256, 8, 8>(half, x, wc, out, ref, flush, sms, bw);
   }
   const unsigned short* layer[2][4];
   for (int set = 0; set < 2; set++)
@@ -432,6 +490,27 @@ int main() {
   printf("  TMA BN 128 BK 128 5 stages 8 warps: %.1f us, with programmatic launch %.1f us\n",
          chain<128, 128, 5, 8>(false, shapes, layer, x, out, sms),
          chain<128, 128, 5, 8>(true, shapes, layer, x, out, sms));
+  // Tiles and k splits per product (8 consumer warps each): k split in parts that a later
+  // kernel must add, or not at all, with 32-row tiles where 64 leave SMs idle.
+  const Config c64 = config<64, 256, 5, 8>("BN 64"), c32 = config<32, 256, 8, 8>("BN 32");
+  struct Mix {
+    Config c[4];
+    int ksplit[4];
+  };
+  const Mix mixes[] = {{{c64, c64, c64, c64}, {4, 8, 2, 8}}, {{c64, c32, c64, c32}, {1, 1, 1, 1}},
+                       {{c32, c32, c32, c32}, {1, 1, 1, 1}}, {{c64, c32, c64, c32}, {4, 1, 2, 1}},
+                       {{c32, c32, c64, c32}, {1, 1, 2, 1}}, {{c32, c32, c32, c32}, {2, 1, 1, 1}}};
+  for (const Mix& mix : mixes) {
+    Shape shs[4];
+    for (int p = 0; p < 4; p++) {
+      shs[p] = shapes[p];
+      shs[p].ksplit = mix.ksplit[p];
+    }
+    printf("  mixed");
+    for (int p = 0; p < 4; p++) printf(" %s %s/%d", shapes[p].name, mix.c[p].name, mix.ksplit[p]);
+    printf(": %.1f us, with programmatic launch %.1f us\n", chain_mixed(false, shs, mix.c, layer, x, out, sms),
+           chain_mixed(true, shs, mix.c, layer, x, out, sms));
+  }
   printf("  cuBLAS again: %.1f us\n", chain_cublas(h, shapes, layer, x, cb_out));
   return 0;
 }

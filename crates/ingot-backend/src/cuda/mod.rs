@@ -135,8 +135,8 @@ pub struct CudaBackend {
     kernels: module::Kernels,
     gemm: Mutex<gemm::Gemm>,
     _gemm_workspace: CudaSlice<u8>,
-    /// The k parts' partial sums of `tma_product`; on Hopper and later only.
-    product_partials: Option<CudaSlice<u8>>,
+    /// Products of a few rows past the GEMV's run through `tma_product` (sm_90 and later).
+    tma_products: bool,
     /// The first error an enqueued op raised, reported by the next `synchronize`.
     error: Mutex<Option<anyhow::Error>>,
     graphs: Mutex<HashMap<u64, Graph>>,
@@ -234,18 +234,13 @@ impl CudaBackend {
             "{name}: programmatic dependent launch {}",
             if dependent_launch { "on" } else { "off" }
         );
-        let product_partials = if major >= 9 {
-            Some(stream.alloc_zeros::<u8>(tma_product::PARTIALS_BYTES)?)
-        } else {
-            None
-        };
         Ok(CudaBackend {
             ctx,
             stream,
             kernels,
             gemm: Mutex::new(gemm),
             _gemm_workspace: workspace,
-            product_partials,
+            tma_products: major >= 9,
             error: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
             profiler: Mutex::new(None),
@@ -434,31 +429,30 @@ impl CudaBackend {
             && streams_16bit(x, w)
     }
 
-    /// The k parts a product of `m` rows past the GEMV's takes through `tma_product`
-    /// (Hopper and later, 16-bit operands, no bias, whole tiles and stages), or None.
-    fn tma_product_parts(
+    /// Whether a product of `m` rows past the GEMV's runs through `tma_product`: Hopper and
+    /// later, 16-bit operands, an output in their dtype or f32, no bias, whole tiles and
+    /// stages.
+    #[allow(clippy::too_many_arguments)]
+    fn tma_product_fits(
         &self,
         x: &CudaBuffer,
         w: &CudaBuffer,
+        out: DType,
         m: usize,
         n: usize,
         k: usize,
         bias: Option<&CudaBuffer>,
-    ) -> Option<usize> {
-        self.product_partials.as_ref()?;
-        let fits = m <= tma_product::MAX_ROWS
+    ) -> bool {
+        self.tma_products
+            && m <= tma_product::MAX_ROWS
             && bias.is_none()
+            && (out == x.dtype || out == DType::F32)
             && n.is_multiple_of(tma_product::BN)
             && k.is_multiple_of(tma_product::BK)
-            && streams_16bit(x, w);
-        if !fits {
-            return None;
-        }
-        let parts = tma_product::k_parts(n, k, self.sm_count as usize);
-        (parts * m * n * 4 <= tma_product::PARTIALS_BYTES).then_some(parts)
+            && streams_16bit(x, w)
     }
 
-    /// `out (+)= x · wᵀ` through `tma_product` in `parts` k parts, then their sum.
+    /// `out (+)= x · wᵀ` through `tma_product`.
     #[allow(clippy::too_many_arguments)]
     fn tma_product(
         &self,
@@ -467,7 +461,6 @@ impl CudaBackend {
         m: usize,
         n: usize,
         k: usize,
-        parts: usize,
         out: MatmulOut<'_, Self>,
         accumulate: bool,
     ) {
@@ -481,25 +474,18 @@ impl CudaBackend {
             Ok(maps) => maps,
             Err(e) => return self.record(Err(e.context("encoding tma_product's tensor maps"))),
         };
-        let partial = self
-            .product_partials
-            .as_ref()
-            .expect("tma_product runs only where its partial sums exist")
-            .device_ptr(&self.stream)
-            .0;
-        let units = n / tma_product::BN * parts;
-        let (nn, kk, pp, mm) = (n as i32, k as i32, parts as i32, m as i32);
-        launch!(self, format!("tma_product_{}", suffix(x.dtype)),
+        let tiles = n / tma_product::BN;
+        let (o, ldl, acc) = (
+            out.buf.at(out.col_offset),
+            out.row_stride as i64,
+            i32::from(accumulate),
+        );
+        let (nn, kk, mm) = (n as i32, k as i32, m as i32);
+        launch!(self, format!("tma_product_{}_{}", suffix(x.dtype), suffix(out.buf.dtype)),
             label = format!("tma_product m{m} n{n} k{k}"),
             shared = tma_product::SHARED_BYTES,
-            (units.min(self.sm_count as usize) as u32, 1, 1), tma_product::THREADS;
-            wmap, xmap, partial, nn, kk, pp, mm);
-        let o = out.buf.at(out.col_offset);
-        let (ldl, acc) = (out.row_stride as i64, i32::from(accumulate));
-        launch!(self, format!("tma_product_sum_{}", suffix(out.buf.dtype)),
-            label = format!("tma_product_sum m{m} n{n}"),
-            ((m * n).div_ceil(256) as u32, 1, 1), 256;
-            partial, nn, pp, mm, o, ldl, acc);
+            (tiles.min(self.sm_count as usize) as u32, 1, 1), tma_product::THREADS;
+            wmap, xmap, o, ldl, acc, nn, kk, mm);
     }
 
     /// Launches GEMV kernel family `kernel` (`gemv`, `gemv_norm` with the norm's `eps`, or
@@ -563,13 +549,13 @@ impl CudaBackend {
             };
             return self.gemv("gemv", x, w, bias, m, n, k, out, accumulate, 0.0);
         }
-        if let Some(parts) = self.tma_product_parts(x, w, m, n, k, bias) {
+        if self.tma_product_fits(x, w, buf.dtype, m, n, k, bias) {
             let out = MatmulOut {
                 buf,
                 row_stride: ld,
                 col_offset,
             };
-            return self.tma_product(x, w, m, n, k, parts, out, accumulate);
+            return self.tma_product(x, w, m, n, k, out, accumulate);
         }
         let out_ptr = buf.at(col_offset);
         let align = [x.ptr, w.ptr, out_ptr, bias.map_or(256, |b| b.ptr)]

@@ -1,31 +1,27 @@
-//! The host side of `kernels/tma_product.cu`, the Hopper product for 5 to 8 rows: its
-//! tile, ring and warps (given to NVRTC as definitions), the shared memory they take, how
-//! far k is split, and the TMA tensor maps of its operands.
+//! The host side of `kernels/tma_product.cu`, the Hopper product for 5 to 16 rows: its
+//! tile, ring and warps (given to NVRTC as definitions), the shared memory they take, and
+//! the TMA tensor maps of its operands.
 
 use crate::DType;
 use anyhow::{bail, Result};
 use cudarc::driver::sys;
 
-/// Weight rows a work unit covers (four m16 tiles).
-pub const BN: usize = 64;
+/// Weight rows a tile covers (two m16 tiles). 32 rows give every SM of an H100 a tile of
+/// Llama-3.1-8B's narrowest products (o and down, 4096 rows: 128 tiles) with no k split.
+pub const BN: usize = 32;
 /// k a ring stage holds (four 64-wide slabs).
 pub const BK: usize = 256;
-/// Stages in the ring: 5 x 40 KB, what shared memory holds beside the warps' sums.
-pub const STAGES: usize = 5;
+/// Stages in the ring: 8 x 24 KB, what shared memory holds beside the warps' sums.
+pub const STAGES: usize = 8;
 /// Consumer warps; one more warp issues the copies.
 pub const WARPS: usize = 8;
 /// Input rows a stage holds (the m16n8k16 products' two n8 tiles; rows past m read as
 /// zeros).
 pub const BOX_ROWS: usize = 16;
-/// Most rows a product runs through `tma_product`. It computes 16, but at 16 rows its k
-/// parts' sum kernels cost what it gains (H100, Llama-3.1-8B shapes, B=16 decode 2,206.4 /
-/// 2,222.4 against cuBLASLt's 2,242.5 / 2,233.4 tok/s; B=8 1,239.7 / 1,238.0 against
-/// 1,204.9 / 1,201.6).
-pub const MAX_ROWS: usize = 8;
+/// Most rows a product runs through `tma_product`: what a stage holds.
+pub const MAX_ROWS: usize = BOX_ROWS;
 /// Consumer warps along k; the others split the m16 tiles.
 pub const K_WARPS: usize = 4;
-/// Bytes of the f32 partial sums of the k parts.
-pub const PARTIALS_BYTES: usize = 32 << 20;
 
 /// Threads a block.
 pub const THREADS: u32 = (32 * (WARPS + 1)) as u32;
@@ -44,30 +40,6 @@ const _: () = assert!(
     SHARED_BYTES as usize <= 227 * 1024,
     "tma_product's ring does not fit in an SM's shared memory"
 );
-
-/// The k parts an n x k product is split into: the fewest that give every SM at least two
-/// work units and leave the last round of units at least 95% full; failing that, the most
-/// even split. k parts must hold whole stages. (H100, 16 rows at Llama-3.1-8B shapes: qkv
-/// 4, o 8, gate/up 2, down 8, as measured best in scripts/gpu/tma_gemm.cu.)
-pub fn k_parts(n: usize, k: usize, sms: usize) -> usize {
-    let (tiles, steps) = (n / BN, k / BK);
-    let fill = |parts: usize| {
-        let units = tiles * parts;
-        units as f64 / (units.div_ceil(sms) * sms) as f64
-    };
-    let valid = [1, 2, 4, 8, 16]
-        .into_iter()
-        .filter(|p| steps.is_multiple_of(*p));
-    if let Some(p) = valid
-        .clone()
-        .find(|&p| tiles * p >= 2 * sms && fill(p) >= 0.95)
-    {
-        return p;
-    }
-    valid
-        .max_by(|a, b| fill(*a).total_cmp(&fill(*b)))
-        .unwrap_or(1)
-}
 
 /// A TMA tensor map of the row-major `rows` x `k` matrix at `ptr`, copied as boxes of 64
 /// columns x `box_rows` rows (rows past `rows` read as zeros) with the 128-byte swizzle the
@@ -107,22 +79,5 @@ pub fn tensor_map(
         )
         .result()?;
         Ok(map.opaque)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn k_parts_give_every_sm_even_work() {
-        // Llama-3.1-8B's decode products on 132 SMs.
-        assert_eq!(k_parts(6144, 4096, 132), 4);
-        assert_eq!(k_parts(4096, 4096, 132), 8);
-        assert_eq!(k_parts(28672, 4096, 132), 2);
-        assert_eq!(k_parts(4096, 14336, 132), 8);
-        assert_eq!(k_parts(128256, 4096, 132), 2);
-        // k of one stage cannot be split.
-        assert_eq!(k_parts(64, 256, 132), 1);
     }
 }

@@ -562,6 +562,9 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
         (7, 192, 1024),
         (5, 64, 4096),
         (8, 2048, 4096),
+        (16, 96, 512),
+        (11, 160, 768),
+        (16, 4096, 1024),
     ];
     for &dtype in d.activations {
         let mut outs = vec![dtype, DType::F32];
@@ -642,6 +645,7 @@ pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (11, 24, 96),
             (16, 48, 264),
             (6, 128, 512),
+            (16, 64, 512),
         ];
         for ((m, n, ffn), wd) in shapes
             .into_iter()
@@ -709,6 +713,7 @@ pub fn gated_mlp_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (64, 32, 96, 64),
             (70, 64, 64, 32),
             (8, 1024, 1024, 1024),
+            (16, 256, 512, 64),
         ];
         for ((m, k, ffn, n), wd) in shapes
             .into_iter()
@@ -794,6 +799,7 @@ pub fn residual_stream_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (70, 64, 64),
             (16, 64, 128),
             (8, 256, 512),
+            (16, 256, 512),
         ];
         for ((m, k, ffn), wd) in shapes
             .into_iter()
@@ -964,6 +970,7 @@ pub fn attention_input_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (LAYOUTS[5], 128, 3),
             (LAYOUTS[0], 36, 5),
             (LAYOUTS[1], 256, 8),
+            (LAYOUTS[1], 256, 16),
         ];
         for (layout, k, m) in cases {
             let n = layout.row_len();

@@ -1,18 +1,19 @@
-// Products of 5 to 8 rows on Hopper: out = x · wᵀ (+ out where `accumulate`), f32 sums.
+// Products of 5 to 16 rows on Hopper: out = x · wᵀ (+ out where `accumulate`), f32 sums.
 // cuBLASLt's kernels for these shapes cannot start before the kernel ahead of them ends
 // (they take no part in programmatic dependent launch). Here the weights and the input
 // reach shared memory by TMA tensor copies (one copy a 64-wide k slab of TMA_BN weight rows
 // or of the 16 input rows, 128-byte swizzled) into a ring of TMA_STAGES stages, each guarded
 // by a full and an empty mbarrier. One lane issues the copies, and requests its first
 // stages of weights before it waits for the kernel ahead, as no kernel writes weights.
-// TMA_WARPS consumer warps (4 along k, the rest along the m16 tiles) multiply from the
+// TMA_WARPS consumer warps (TMA_KW along k, the rest along the m16 tiles) multiply from the
 // stages and release each stage on their own, so no block-wide barrier sits in the stream.
-// One block an SM loops over work units of TMA_BN weight rows x one of `ksplit` k parts and
-// writes f32 partial sums per part; `tma_product_sum` adds the parts in order, so results
-// depend neither on the row count nor on timing. (A block that merged a tile's parts
-// itself, after a counter per tile, stalled its ring: 15% slower at 16 rows.) H100, 16 rows
-// at Llama-3.1-8B shapes, scripts/gpu/tma_gemm.cu: at or ahead of cuBLAS per product, and
-// 157.2 against 171.9 µs for a layer's four products back to back with programmatic launch.
+// One block an SM loops over tiles of TMA_BN weight rows, each over the whole of k, and
+// writes the tile's outputs itself: no k split, so no partial sums for another kernel to
+// add, and every output is the same sum in the same order whatever the row count. Narrow
+// tiles give every SM work without a split: H100, 16 rows at Llama-3.1-8B shapes,
+// scripts/gpu/tma_gemm.cu, a layer's four products back to back with programmatic launch in
+// 154.7 µs with 32-row tiles and no split, 157.2 with 64-row tiles and k split (its partial
+// sums not added), 170.9 through cuBLAS.
 //
 // Lane (g, t) takes the 16-byte pieces 2t and 2t + 1 of a slab (k 16t .. 16t + 15) from
 // rows g and g + 8 of each m16 tile and of the input: piece q of row r sits at piece
@@ -55,9 +56,9 @@ __device__ __forceinline__ void tensor_copy(u32 dst, const TensorMap* map, int k
         : "memory");
 }
 
-template <typename T>
-__device__ void tma_product(const TensorMap* wmap, const TensorMap* xmap, float* partial, int n,
-                            int k, int ksplit, int m) {
+template <typename T, typename O>
+__device__ void tma_product(const TensorMap* wmap, const TensorMap* xmap, O* out, long long ld,
+                            int accumulate, int n, int k, int m) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // The 128-byte swizzle repeats every 1024 bytes, from a 1024-byte boundary.
     unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -69,7 +70,7 @@ __device__ void tma_product(const TensorMap* wmap, const TensorMap* xmap, float*
     unsigned long long* empty = full + TMA_STAGES;
     float* sums = reinterpret_cast<float*>(empty + TMA_STAGES);  // [TMA_KW][TMA_ROWS][TMA_BN]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kpart = k / ksplit, steps = kpart / TMA_BK, units = n / TMA_BN * ksplit;
+    const int steps = k / TMA_BK, tiles = n / TMA_BN;
     if (threadIdx.x == 0) {
         for (int s = 0; s < TMA_STAGES; s++) {
             mbar_init(smem_address(&full[s]), 1);
@@ -92,35 +93,32 @@ __device__ void tma_product(const TensorMap* wmap, const TensorMap* xmap, float*
                                 0, bar);
             }
         };
-        const int pre = min(TMA_STAGES, steps);
-        {
-            const int row0 = blockIdx.x / ksplit * TMA_BN, k0 = blockIdx.x % ksplit * kpart;
-            for (int s = 0; s < pre; s++) {
-                mbar_expect(smem_address(&full[s]), STAGE_BYTES);
-                copy(s, row0, k0 + s * TMA_BK, true);
-            }
-            await_previous_kernel();
-            for (int s = 0; s < pre; s++) copy(s, row0, k0 + s * TMA_BK, false);
+        const int pre = min(TMA_STAGES, steps), first = blockIdx.x * TMA_BN;
+        for (int s = 0; s < pre; s++) {
+            mbar_expect(smem_address(&full[s]), STAGE_BYTES);
+            copy(s, first, s * TMA_BK, true);
         }
+        await_previous_kernel();
+        for (int s = 0; s < pre; s++) copy(s, first, s * TMA_BK, false);
         int it = pre;
-        for (int u = blockIdx.x; u < units; u += gridDim.x) {
-            const int row0 = u / ksplit * TMA_BN, k0 = u % ksplit * kpart;
-            for (int s = u == (int)blockIdx.x ? pre : 0; s < steps; s++, it++) {
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const int row0 = tile * TMA_BN;
+            for (int s = tile == (int)blockIdx.x ? pre : 0; s < steps; s++, it++) {
                 const int slot = it % TMA_STAGES, round = it / TMA_STAGES;
                 if (it >= TMA_STAGES) mbar_wait(smem_address(&empty[slot]), (round & 1) ^ 1);
                 mbar_expect(smem_address(&full[slot]), STAGE_BYTES);
-                copy(slot, row0, k0 + s * TMA_BK, true);
-                copy(slot, row0, k0 + s * TMA_BK, false);
+                copy(slot, row0, s * TMA_BK, true);
+                copy(slot, row0, s * TMA_BK, false);
             }
         }
         return;
     }
-    // The partial sums overwrite what the kernel ahead (the last product's sum) reads.
+    // The outputs may be what the kernel ahead reads or writes (the residual).
     await_previous_kernel();
     const int g = lane >> 2, t = lane & 3, kw = warp % TMA_KW, mt0 = warp / TMA_KW * MT;
     int it = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        const int row0 = u / ksplit * TMA_BN, kp = u % ksplit;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int row0 = tile * TMA_BN;
         float acc[MT][2][4];
 #pragma unroll
         for (int i = 0; i < MT; i++)
@@ -170,52 +168,32 @@ __device__ void tma_product(const TensorMap* wmap, const TensorMap* xmap, float*
             float v = 0.0f;
 #pragma unroll
             for (int q = 0; q < TMA_KW; q++) v += sums[q * TMA_ROWS * TMA_BN + i];
-            partial[((long long)kp * m + i / TMA_BN) * n + row0 + i % TMA_BN] = v;
+            O* o = out + i / TMA_BN * ld + row0 + i % TMA_BN;
+            if (accumulate) v += to_f32(*o);
+            *o = from_f32<O>(v);
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * TMA_WARPS));
     }
 }
 #endif
 
-// Grid: min(units, SMs) blocks of TMA_WARPS + 1 warps, the dynamic shared memory the host
-// computes (tma_product::SHARED_BYTES). n is a multiple of TMA_BN and k of ksplit * TMA_BK.
-// The kernel waits for the one before inside tma_product, after its first weight copies.
+// Grid: min(n / TMA_BN, SMs) blocks of TMA_WARPS + 1 warps, the dynamic shared memory the
+// host computes (tma_product::SHARED_BYTES). n is a multiple of TMA_BN and k of TMA_BK; out
+// rows are `ld` apart. The kernel waits for the one before inside tma_product, after its
+// first weight copies.
 #if __CUDA_ARCH__ >= 900
-#define TMA_PRODUCT_BODY(T) tma_product<T>(&wmap, &xmap, partial, n, k, ksplit, m);
+#define TMA_PRODUCT_BODY(T, O) tma_product<T, O>(&wmap, &xmap, out, ld, accumulate, n, k, m);
 #else
-#define TMA_PRODUCT_BODY(T)
+#define TMA_PRODUCT_BODY(T, O)
 #endif
-#define TMA_PRODUCT(T, S)                                                                          \
+#define TMA_PRODUCT(T, O, S)                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * (TMA_WARPS + 1), 1) tma_product_##S(        \
-        const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,            \
-        float* partial, int n, int k, int ksplit, int m) {                                         \
-        TMA_PRODUCT_BODY(T)                                                                        \
+        const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, O* out,    \
+        long long ld, int accumulate, int n, int k, int m) {                                       \
+        TMA_PRODUCT_BODY(T, O)                                                                     \
     }
 
-TMA_PRODUCT(bf16, bf16)
-TMA_PRODUCT(f16, f16)
-
-// out[r, j] (+)= Σ_p partial[p, r, j], the parts in order. Grid: ceil(m * n / 256) blocks.
-template <typename O>
-__device__ void tma_product_sum(const float* partial, int n, int ksplit, int m, O* out,
-                                long long ld, int accumulate) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= m * n) return;
-    const int r = i / n, j = i % n;
-    float v = 0.0f;
-    for (int p = 0; p < ksplit; p++) v += partial[(long long)p * m * n + i];
-    O* o = out + r * ld + j;
-    if (accumulate) v += to_f32(*o);
-    *o = from_f32<O>(v);
-}
-
-#define TMA_PRODUCT_SUM(O, SO)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) tma_product_sum_##SO(                       \
-        const float* partial, int n, int ksplit, int m, O* out, long long ld, int accumulate) {   \
-        await_previous_kernel();                                                                   \
-        tma_product_sum<O>(partial, n, ksplit, m, out, ld, accumulate);                            \
-    }
-
-TMA_PRODUCT_SUM(bf16, bf16)
-TMA_PRODUCT_SUM(f16, f16)
-TMA_PRODUCT_SUM(float, f32)
+TMA_PRODUCT(bf16, bf16, bf16_bf16)
+TMA_PRODUCT(bf16, float, bf16_f32)
+TMA_PRODUCT(f16, f16, f16_f16)
+TMA_PRODUCT(f16, float, f16_f32)
