@@ -452,7 +452,9 @@ impl CudaBackend {
             && streams_16bit(x, w)
     }
 
-    /// `out (+)= x · wᵀ` through `tma_product`.
+    /// `out (+)= x · wᵀ` through `tma_product`; with `silu` = Some(eps), `w` is a gated MLP's
+    /// `n / 2` gate and `n / 2` up rows with its RMSNorm weights folded in, and `out` gets
+    /// silu(gate) * up of x's normalized rows (`n / 2` columns).
     #[allow(clippy::too_many_arguments)]
     fn tma_product(
         &self,
@@ -463,8 +465,13 @@ impl CudaBackend {
         k: usize,
         out: MatmulOut<'_, Self>,
         accumulate: bool,
+        silu: Option<f32>,
     ) {
-        let maps = tma_product::tensor_map(w.ptr, w.dtype, n, k, tma_product::BN).and_then(|wm| {
+        let (kernel, box_rows) = match silu {
+            Some(_) => ("silu".to_string(), tma_product::BN / 2),
+            None => (suffix(x.dtype).to_string(), tma_product::BN),
+        };
+        let maps = tma_product::tensor_map(w.ptr, w.dtype, n, k, box_rows).and_then(|wm| {
             Ok((
                 wm,
                 tma_product::tensor_map(x.ptr, x.dtype, m, k, tma_product::BOX_ROWS)?,
@@ -480,12 +487,12 @@ impl CudaBackend {
             out.row_stride as i64,
             i32::from(accumulate),
         );
-        let (nn, kk, mm) = (n as i32, k as i32, m as i32);
-        launch!(self, format!("tma_product_{}_{}", suffix(x.dtype), suffix(out.buf.dtype)),
-            label = format!("tma_product m{m} n{n} k{k}"),
+        let (nn, kk, mm, eps) = (n as i32, k as i32, m as i32, silu.unwrap_or(0.0));
+        launch!(self, format!("tma_product_{kernel}_{}", suffix(out.buf.dtype)),
+            label = format!("tma_product_{kernel} m{m} n{n} k{k}"),
             shared = tma_product::SHARED_BYTES,
             (tiles.min(self.sm_count as usize) as u32, 1, 1), tma_product::THREADS;
-            wmap, xmap, o, ldl, acc, nn, kk, mm);
+            wmap, xmap, o, ldl, acc, nn, kk, mm, eps);
     }
 
     /// Launches GEMV kernel family `kernel` (`gemv`, `gemv_norm` with the norm's `eps`, or
@@ -555,7 +562,7 @@ impl CudaBackend {
                 row_stride: ld,
                 col_offset,
             };
-            return self.tma_product(x, w, m, n, k, out, accumulate);
+            return self.tma_product(x, w, m, n, k, out, accumulate, None);
         }
         let out_ptr = buf.at(col_offset);
         let align = [x.ptr, w.ptr, out_ptr, bias.map_or(256, |b| b.ptr)]
@@ -995,7 +1002,8 @@ impl Backend for CudaBackend {
     }
 
     /// Norm weights are folded into the products after each norm: a GEMV gathers the norm
-    /// from its reads of x, and a cuBLASLt product runs on the un-normalized rows with the
+    /// from its reads of x, `tma_product`'s gate/up product from the input it streams (and
+    /// applies SiLU·mul), and a cuBLASLt product runs on the un-normalized rows with the
     /// kernel that reads its output (RoPE, SiLU·mul) scaling them by 1 / rms; the residual
     /// adds run in the products' epilogues. No norm or add kernel is left in a layer.
     fn folds_norm_weights(&self) -> bool {
@@ -1124,17 +1132,27 @@ impl Backend for CudaBackend {
             );
             return;
         }
-        self.product(residual, gate_up, None, m, 2 * ffn, k, gu, false);
-        let (g, f, x, d, o) = (
-            scratch.gate_up.ptr,
-            ffn as i32,
-            residual.ptr,
-            k as i32,
-            scratch.act.ptr,
-        );
-        let chunks = ffn.div_ceil(SILU_VALUES * 256) as u32;
-        launch!(self, format!("silu_mul_normed_{}", suffix(residual.dtype)),
-            (chunks, m as u32, 1), 256; g, f, x, d, eps, o);
+        if self.tma_product_fits(residual, gate_up, residual.dtype, m, 2 * ffn, k, None) {
+            // SiLU·mul in the gate/up product's epilogue.
+            let act = MatmulOut {
+                buf: &mut *scratch.act,
+                row_stride: ffn,
+                col_offset: 0,
+            };
+            self.tma_product(residual, gate_up, m, 2 * ffn, k, act, false, Some(eps));
+        } else {
+            self.product(residual, gate_up, None, m, 2 * ffn, k, gu, false);
+            let (g, f, x, d, o) = (
+                scratch.gate_up.ptr,
+                ffn as i32,
+                residual.ptr,
+                k as i32,
+                scratch.act.ptr,
+            );
+            let chunks = ffn.div_ceil(SILU_VALUES * 256) as u32;
+            launch!(self, format!("silu_mul_normed_{}", suffix(residual.dtype)),
+                (chunks, m as u32, 1), 256; g, f, x, d, eps, o);
+        }
         let out = MatmulOut {
             buf: residual,
             row_stride: k,

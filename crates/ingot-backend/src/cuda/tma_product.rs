@@ -27,11 +27,12 @@ pub const K_WARPS: usize = 4;
 pub const THREADS: u32 = (32 * (WARPS + 1)) as u32;
 
 /// Dynamic shared memory a block takes: the ring (weight and input slabs), its full and
-/// empty mbarriers, the warps' sums, and 1 KB to align the ring to the swizzle's 1024 bytes.
+/// empty mbarriers, the warps' sums and sums of squares, and 1 KB to align the ring to the
+/// swizzle's 1024 bytes.
 pub const SHARED_BYTES: u32 = (1024
     + STAGES * BK / 64 * (BN + BOX_ROWS) * 128
     + 2 * STAGES * 8
-    + K_WARPS * BOX_ROWS * BN * 4) as u32;
+    + K_WARPS * BOX_ROWS * (BN + 1) * 4) as u32;
 const _: () = assert!(
     WARPS.is_multiple_of(K_WARPS) && (BN / 16).is_multiple_of(WARPS / K_WARPS),
     "tma_product's warps must split k and the m16 tiles evenly"
