@@ -971,6 +971,8 @@ pub fn attention_input_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             (LAYOUTS[0], 36, 5),
             (LAYOUTS[1], 256, 8),
             (LAYOUTS[1], 256, 16),
+            (LAYOUTS[3], 512, 12),
+            (LAYOUTS[4], 256, 6),
         ];
         for (layout, k, m) in cases {
             let n = layout.row_len();
