@@ -229,10 +229,16 @@ CUtensorMap tensor_map(const unsigned short* w, int n, int k, int bn) {
   return map;
 }
 
+// Dynamic shared memory of tma_gemm: the ring, its mbarriers, the warps' sums, and 1 KB to
+// align the ring to the swizzle's 1024 bytes.
+constexpr size_t smem_bytes(int bn, int bk, int stages) {
+  return 1024 + (size_t)stages * bk / 64 * (bn + M) * 128 + 2 * stages * 8 + KW * M * bn * 4;
+}
+
 template <int BN, int BK, int STAGES, int CONSUMERS, bool MATH>
 float run(const Shape& sh, const unsigned short* x, const unsigned short* const* w, float* out, char* flush,
           int sms) {
-  const size_t bytes = 1024 + (size_t)STAGES * BK / 64 * (BN + M) * 128 + 2 * STAGES * 8 + KW * M * BN * 4;
+  const size_t bytes = smem_bytes(BN, BK, STAGES);
   auto f = tma_gemm<BN, BK, STAGES, CONSUMERS, MATH>;
   CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
   const CUtensorMap maps[2] = {tensor_map(w[0], sh.n, sh.k, BN), tensor_map(w[1], sh.n, sh.k, BN)};
@@ -304,65 +310,26 @@ void shape(const Shape& sh, const unsigned short* x, const unsigned short* const
          sh.name, BN, BK, STAGES, CONSUMERS, sh.ksplit, us, copy, floor_us, bw / 1e12, err, norm);
 }
 
-// A decode step's products at Llama-3.1-8B shapes, 32 layers of qkv, o, gate/up and down
-// back to back over two sets of weights, each product waiting for the one before (with
-// programmatic launch: its first weight stages requested before that wait). Microseconds
-// a layer, median of 5 runs.
-template <int BN, int BK, int STAGES, int CONSUMERS>
-float chain(bool pdl, const Shape* shs, const unsigned short* (*ws)[4], const unsigned short* x, float* out,
-            int sms) {
-  const size_t bytes = 1024 + (size_t)STAGES * BK / 64 * (BN + M) * 128 + 2 * STAGES * 8 + KW * M * BN * 4;
-  auto f = tma_gemm<BN, BK, STAGES, CONSUMERS, true>;
-  CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-  CUtensorMap wm[2][4], xm[4];
-  for (int p = 0; p < 4; p++) {
-    for (int set = 0; set < 2; set++) wm[set][p] = tensor_map(ws[set][p], shs[p].n, shs[p].k, BN);
-    xm[p] = tensor_map(x, M, shs[p].k, M);
-  }
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(32 * (CONSUMERS + 1));
-  cfg.dynamicSmemBytes = bytes;
-  cfg.attrs = pdl ? &attr : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ts;
-  for (int rep = 0; rep < 6; rep++) {
-    cudaEventRecord(a);
-    for (int layer = 0; layer < 32; layer++)
-      for (int p = 0; p < 4; p++) {
-        cfg.gridDim = dim3(std::min(shs[p].n / BN * shs[p].ksplit, sms));
-        CHECK(cudaLaunchKernelEx(&cfg, f, wm[layer % 2][p], xm[p], out, shs[p].n, shs[p].k, shs[p].ksplit));
-      }
-    cudaEventRecord(b);
-    CHECK(cudaEventSynchronize(b));
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    if (rep > 0) ts.push_back(ms * 1000.0f / 32);
-  }
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}
-
-// The same chain with each product on its own tile and k split: `cfgs[p]` runs product p.
+// One launchable configuration of tma_gemm (MATH on) for a chain.
 using Kernel = void (*)(const CUtensorMap, const CUtensorMap, float*, int, int, int);
 struct Config {
   Kernel f;
   size_t bytes;
-  int bn;
+  int bn, threads;
   const char* name;
 };
 template <int BN, int BK, int STAGES, int CONSUMERS>
 Config config(const char* name) {
-  const size_t bytes = 1024 + (size_t)STAGES * BK / 64 * (BN + M) * 128 + 2 * STAGES * 8 + KW * M * BN * 4;
+  const size_t bytes = smem_bytes(BN, BK, STAGES);
   Kernel f = tma_gemm<BN, BK, STAGES, CONSUMERS, true>;
   CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-  return {f, bytes, BN, name};
+  return {f, bytes, BN, 32 * (CONSUMERS + 1), name};
 }
+
+// A decode step's products at Llama-3.1-8B shapes, 32 layers of qkv, o, gate/up and down
+// back to back over two sets of weights, each product waiting for the one before (with
+// programmatic launch: its first weight stages requested before that wait), product p run
+// by `cfgs[p]` with k split in `shs[p].ksplit`. Microseconds a layer, median of 5 runs.
 float chain_mixed(bool pdl, const Shape* shs, const Config* cfgs, const unsigned short* (*ws)[4],
                   const unsigned short* x, float* out, int sms) {
   CUtensorMap wm[2][4], xm[4];
@@ -382,7 +349,7 @@ float chain_mixed(bool pdl, const Shape* shs, const Config* cfgs, const unsigned
     for (int layer = 0; layer < 32; layer++)
       for (int p = 0; p < 4; p++) {
         cudaLaunchConfig_t cfg = {};
-        cfg.blockDim = dim3(32 * 9);
+        cfg.blockDim = dim3(cfgs[p].threads);
         cfg.dynamicSmemBytes = cfgs[p].bytes;
         cfg.attrs = pdl ? &attr : nullptr;
         cfg.numAttrs = pdl ? 1 : 0;
@@ -397,6 +364,15 @@ float chain_mixed(bool pdl, const Shape* shs, const Config* cfgs, const unsigned
   }
   std::sort(ts.begin(), ts.end());
   return ts[ts.size() / 2];
+}
+
+// The chain with every product on one configuration.
+template <int BN, int BK, int STAGES, int CONSUMERS>
+float chain(bool pdl, const Shape* shs, const unsigned short* (*ws)[4], const unsigned short* x, float* out,
+            int sms) {
+  const Config c = config<BN, BK, STAGES, CONSUMERS>("");
+  const Config cfgs[4] = {c, c, c, c};
+  return chain_mixed(pdl, shs, cfgs, ws, x, out, sms);
 }
 
 float chain_cublas(cublasHandle_t h, const Shape* shs, const unsigned short* (*ws)[4], const unsigned short* x,
