@@ -14,9 +14,8 @@ and at the end, each time with the clients paused and the server idle, so that r
 in flight do not count; growth after the warm-up must stay under 1 %, and no block may be
 in use once the clients stop. Exit status 1 when either fails. Standard library only.
 
-The CPU KV cache is committed page by page as blocks are first used, so RSS grows until
-every block has been touched once; the default `--kv-cache-memory` (256 MiB) is small
-enough for the warm-up to touch all of it, so that growth after it measures leaks.
+The KV cache is committed when the server starts, so growth after the warm-up measures
+what the process keeps of its traffic: leaks, caches that grow, memory the allocator holds.
 """
 
 import argparse

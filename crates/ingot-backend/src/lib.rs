@@ -284,6 +284,12 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Whether the ops run on the host's cores, in the host's memory: the engine then sizes
+    /// its batch and KV cache for what a CPU serves.
+    fn runs_on_host_cpu(&self) -> bool {
+        false
+    }
+
     /// The largest buffer one op may bind, where the device limits it (wgpu adapters): the
     /// KV cache of one layer is sized to fit.
     fn max_buffer_bytes(&self) -> Option<usize> {

@@ -18,12 +18,14 @@ pub type RequestId = u64;
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
-    pub max_num_seqs: usize,
-    /// Defaults to the model's context length.
+    /// Defaults to [`GPU_MAX_NUM_SEQS`], or [`CPU_MAX_NUM_SEQS`] on the CPU.
+    pub max_num_seqs: Option<usize>,
+    /// Defaults to the model's context length (at most [`CPU_MAX_MODEL_LEN`] on the CPU).
     pub max_model_len: Option<usize>,
     pub block_size: usize,
-    /// Bytes for the KV cache; defaults to a quarter of the available memory, capped at
-    /// what `max_num_seqs` sequences of `max_model_len` tokens can use.
+    /// Bytes for the KV cache. Defaults: on a GPU what `gpu_memory_utilization` leaves; on
+    /// the CPU what `max_num_seqs` sequences of `max_model_len` tokens use (at most half
+    /// the available memory); elsewhere a quarter of the available memory, capped at that.
     pub kv_cache_memory: Option<usize>,
     /// The KV cache's element type; `None` is the model's activation dtype.
     pub kv_cache_dtype: Option<DType>,
@@ -41,7 +43,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             max_num_batched_tokens: 2048,
-            max_num_seqs: 64,
+            max_num_seqs: None,
             max_model_len: None,
             block_size: 16,
             kv_cache_memory: None,
@@ -209,6 +211,15 @@ struct NewToken {
     at_length: bool,
 }
 
+/// Sequences in one step by default on a GPU.
+pub const GPU_MAX_NUM_SEQS: usize = 64;
+/// On the CPU a few cores decode: 16 sequences already take most of what batching gains
+/// there, and every sequence's context is committed host memory.
+pub const CPU_MAX_NUM_SEQS: usize = 16;
+/// On the CPU the default context is capped as llama.cpp's is: a long context on a few
+/// cores takes minutes to prefill, and the KV cache is reserved for every sequence's.
+pub const CPU_MAX_MODEL_LEN: usize = 4096;
+
 fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
@@ -228,15 +239,30 @@ impl<B: Backend> Engine<B> {
         config: EngineConfig,
     ) -> Result<Self> {
         let cfg = &model.config;
-        let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings);
+        let on_cpu = backend.runs_on_host_cpu();
+        let max_model_len = match config.max_model_len {
+            Some(len) => len,
+            None if on_cpu && cfg.max_position_embeddings > CPU_MAX_MODEL_LEN => {
+                tracing::info!(
+                    "max_model_len {CPU_MAX_MODEL_LEN} on the CPU (the model's context is {} tokens; --max-model-len raises it)",
+                    cfg.max_position_embeddings
+                );
+                CPU_MAX_MODEL_LEN
+            }
+            None => cfg.max_position_embeddings,
+        };
         if max_model_len > cfg.max_position_embeddings {
             bail!(
                 "--max-model-len {max_model_len} exceeds the model's context of {} tokens",
                 cfg.max_position_embeddings
             );
         }
-        if config.block_size == 0 || config.max_num_seqs == 0 || config.max_num_batched_tokens == 0
-        {
+        let max_num_seqs = config.max_num_seqs.unwrap_or(if on_cpu {
+            CPU_MAX_NUM_SEQS
+        } else {
+            GPU_MAX_NUM_SEQS
+        });
+        if config.block_size == 0 || max_num_seqs == 0 || config.max_num_batched_tokens == 0 {
             bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
         }
         let activation = model.weights.activation_dtype;
@@ -253,9 +279,20 @@ impl<B: Backend> Engine<B> {
             bail!("--gpu-memory-utilization must be in (0, 1]");
         }
         let block_bytes = KvCache::<B>::block_bytes(cfg, config.block_size, kv_dtype);
-        let useful = config.max_num_seqs * max_model_len.div_ceil(config.block_size);
+        let useful = max_num_seqs * max_model_len.div_ceil(config.block_size);
         let num_blocks = match (config.kv_cache_memory, backend.memory_info()) {
             (Some(bytes), _) => bytes / block_bytes,
+            (None, _) if on_cpu => {
+                let half = available_memory().unwrap_or(8 << 30) / 2 / block_bytes;
+                if half < useful {
+                    tracing::warn!(
+                        "{max_num_seqs} sequences of {max_model_len} tokens need {:.2} GiB of KV cache; taking half the available memory, {:.2} GiB (--kv-cache-memory, --max-num-seqs or --max-model-len set it)",
+                        gib(useful * block_bytes),
+                        gib(half * block_bytes)
+                    );
+                }
+                useful.min(half)
+            }
             (None, Some(mem)) => {
                 // What is held already (weights, the context, library workspaces) and the
                 // activations still to come are taken from the share first; the headroom
@@ -266,7 +303,7 @@ impl<B: Backend> Engine<B> {
                     cfg,
                     activation,
                     config.max_num_batched_tokens,
-                    config.max_num_seqs,
+                    max_num_seqs,
                     max_model_len,
                 );
                 let headroom = 256 << 20;
@@ -306,7 +343,7 @@ impl<B: Backend> Engine<B> {
             model,
             RunnerConfig {
                 max_num_batched_tokens: config.max_num_batched_tokens,
-                max_num_seqs: config.max_num_seqs,
+                max_num_seqs,
                 max_model_len,
                 block_size: config.block_size,
                 num_blocks,
@@ -316,7 +353,7 @@ impl<B: Backend> Engine<B> {
         )?;
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
-            max_num_seqs: config.max_num_seqs,
+            max_num_seqs,
             max_model_len,
             block_size: config.block_size,
             num_blocks,

@@ -10,7 +10,7 @@ pub mod sampler;
 
 pub use engine::{
     Completion, Engine, EngineConfig, EngineStats, QueueFull, RequestId, RequestOutput, SeqDelta,
-    StepInfo,
+    StepInfo, CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS,
 };
 pub use engine_loop::{EngineHandle, Event, Events, Failure, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};

@@ -109,10 +109,11 @@ impl<B: Backend> ModelRunner<B> {
             num_logits: 0,
         };
         tracing::info!(
-            "runner on {}: KV cache {} blocks x {} tokens in {} ({:.1} MiB), {} activations for {} tokens ({:.1} MiB)",
+            "runner on {}: KV cache {} blocks x {} tokens ({} tokens) in {} ({:.1} MiB, allocated now), {} activations for {} tokens ({:.1} MiB)",
             backend.name(),
             config.num_blocks,
             config.block_size,
+            config.num_blocks * config.block_size,
             config.kv_cache_dtype,
             kv.bytes as f64 / (1 << 20) as f64,
             model.weights.activation_dtype,

@@ -94,7 +94,7 @@ fn engine(budget: usize) -> Engine<CudaBackend> {
     let (model, tok) = ingot_model::load(&backend, &path, WeightDType::BF16).unwrap();
     let config = EngineConfig {
         max_num_batched_tokens: budget,
-        max_num_seqs: 64,
+        max_num_seqs: Some(64),
         max_model_len: Some(4096),
         kv_cache_memory: Some(2 << 30),
         ..EngineConfig::default()

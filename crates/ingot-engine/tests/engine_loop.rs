@@ -17,7 +17,7 @@ fn engine_with(dir: &std::path::Path, config: EngineConfig) -> Engine<CpuBackend
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
     let config = EngineConfig {
         max_num_batched_tokens: 32,
-        max_num_seqs: 4,
+        max_num_seqs: Some(4),
         kv_cache_memory: Some(64 * 2 * 4 * 16 * 64 * 2),
         ..Default::default()
     };
@@ -118,7 +118,7 @@ fn queued_requests_go_when_abandoned_and_on_drain() {
     let dir = std::env::temp_dir().join(format!("ingot-loop-queue-{}", std::process::id()));
     SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
     let config = EngineConfig {
-        max_num_seqs: 1,
+        max_num_seqs: Some(1),
         max_waiting: Some(6),
         kv_cache_memory: Some(1 << 22),
         ..Default::default()

@@ -21,7 +21,7 @@ fn config(budget: usize, kv_blocks: usize, prefix_caching: bool) -> EngineConfig
     let block_bytes = 2 * 4 * 16 * 192 * 30;
     EngineConfig {
         max_num_batched_tokens: budget,
-        max_num_seqs: 16,
+        max_num_seqs: Some(16),
         max_model_len: Some(4096),
         block_size: 16,
         kv_cache_memory: Some(kv_blocks * block_bytes),

@@ -69,17 +69,18 @@ pub struct EngineArgs {
     /// The token budget of one step: longer prompts are prefilled in chunks.
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
-    /// Most sequences in one step.
-    #[arg(long, default_value_t = 64)]
-    max_num_seqs: usize,
-    /// Context limit (default: the model's).
+    /// Most sequences in one step (default: 64 on a GPU, 16 on the CPU).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Context limit (default: the model's; on the CPU at most 4096).
     #[arg(long)]
     max_model_len: Option<usize>,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Bytes for the KV cache (default: on a GPU what --gpu-memory-utilization leaves after
-    /// weights and activations; on the CPU a quarter of the available memory, capped at
-    /// what max-num-seqs full-length sequences use).
+    /// Bytes for the KV cache, allocated at start (default: on a GPU what
+    /// --gpu-memory-utilization leaves after weights and activations; on the CPU what
+    /// max-num-seqs sequences of max-model-len tokens use, at most half the available
+    /// memory; on wgpu a quarter of the available memory, capped at that).
     #[arg(long)]
     kv_cache_memory: Option<usize>,
     /// Element type of the KV cache: auto (on the CPU f16, or f32 for f32 models; on a GPU the

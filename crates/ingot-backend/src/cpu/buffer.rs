@@ -4,11 +4,23 @@ use crate::DType;
 use half::{bf16, f16};
 use memmap2::MmapMut;
 
-/// From this size on a buffer is its own anonymous mapping: the kernel hands out zero pages
-/// as they are first written, so a large KV cache is resident only where sequences have
-/// written it. (Through the allocator, mimalloc zeroed part of each large block up front:
-/// ~80 MiB of resident memory for a 1 GB cache that held 7 MB.)
+/// From this size on a buffer is its own anonymous mapping, committed when it is made:
+/// the KV cache a server reserves is resident from the start, so its memory is what the
+/// start-up log says and does not climb as traffic first reaches each block (which reads
+/// as a leak). Dropping the buffer returns its memory to the system at once.
 const MAPPED_BYTES: usize = 1 << 20;
+
+/// An anonymous mapping of `len` bytes with every page committed.
+fn committed_map(len: usize) -> std::io::Result<MmapMut> {
+    let mut map = MmapMut::map_anon(len)?;
+    // On huge pages where the kernel offers them: committing a 1.4 GiB cache 4 KiB at a
+    // time took 3 s of page faults on a 2-core VM. Attention's reads of the cache miss
+    // the TLB less, too.
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    map.iter_mut().step_by(4096).for_each(|b| *b = 0);
+    Ok(map)
+}
 
 enum Storage {
     /// 16-byte words, so the bytes can be viewed as any element type.
@@ -28,7 +40,7 @@ impl CpuBuffer {
     pub(crate) fn zeroed(dtype: DType, numel: usize) -> anyhow::Result<Self> {
         let len = dtype.bytes_for(numel);
         let storage = if len >= MAPPED_BYTES {
-            Storage::Mapped(MmapMut::map_anon(len)?)
+            Storage::Mapped(committed_map(len)?)
         } else {
             Storage::Heap(vec![0; len.div_ceil(16)])
         };

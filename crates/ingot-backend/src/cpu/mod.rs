@@ -121,6 +121,10 @@ impl Backend for CpuBackend {
         matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
     }
 
+    fn runs_on_host_cpu(&self) -> bool {
+        true
+    }
+
     /// f32 models keep an f32 cache (exact, batch-invariant runs); a quantized or 16-bit
     /// model's values carry 16-bit precision at best, so its cache is f16: half the memory
     /// and half the bytes attention reads.

@@ -329,7 +329,7 @@ pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
     use std::sync::Arc;
     let path = ingot_model::testing::test_model_path().expect("the test model (INGOT_TEST_MODEL)");
     let config = EngineConfig {
-        max_num_seqs: 8,
+        max_num_seqs: Some(8),
         max_model_len: Some(1024),
         kv_cache_memory: Some(256 << 20),
         ..EngineConfig::default()
@@ -366,7 +366,7 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: 
     let path = ingot_model::testing::test_model_path().expect("the test model (INGOT_TEST_MODEL)");
     let (m, t) = ingot_model::load(&backend, &path, WeightDType::F32).unwrap();
     let config = EngineConfig {
-        max_num_seqs: 16,
+        max_num_seqs: Some(16),
         max_model_len: Some(1024),
         kv_cache_memory: Some(256 << 20),
         ..EngineConfig::default()
