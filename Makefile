@@ -26,7 +26,7 @@ run: model build
 # and the Python suite that drives `ingot serve` with the official openai client (its venv
 # lives in ~/.cache/ingot).
 test: model
-	scripts/install-vulkan
+	scripts/install-test-packages
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --all-features -- -D warnings
 	INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace

@@ -1,12 +1,14 @@
 //! The OpenAI-compatible HTTP API: completions and chat completions (plain and streamed as
-//! server-sent events), models, health, version, metrics, tokenize and detokenize.
+//! server-sent events), models, health, version, metrics, tokenize and detokenize; and a
+//! chat page at `/`.
 
+mod chat_page;
 pub mod error;
 pub mod metrics;
 pub mod protocol;
 
 use crate::error::ApiError;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, SequenceEnd};
 use crate::protocol::{ChatRequest, CompletionRequest, Content, Prompt};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -24,7 +26,7 @@ use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub struct ServerConfig {
     pub served_model_name: String,
@@ -41,7 +43,7 @@ pub struct AppState {
     /// Set once the model has loaded; until then the API answers 503.
     pub engine: OnceLock<EngineHandle>,
     pub config: ServerConfig,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     next_id: AtomicU64,
 }
 
@@ -50,7 +52,7 @@ impl AppState {
         Arc::new(AppState {
             engine: OnceLock::new(),
             config,
-            metrics: Metrics::default(),
+            metrics: Arc::new(Metrics::default()),
             next_id: AtomicU64::new(0),
         })
     }
@@ -76,6 +78,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         ));
     Router::new()
         .merge(v1)
+        .merge(chat_page::routes())
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics_endpoint))
@@ -142,7 +145,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiEr
 async fn metrics_endpoint(State(state): State<Arc<AppState>>) -> Response {
     let stats = state.engine.get().map(|e| e.stats()).unwrap_or_default();
     (
-        [("content-type", "text/plain; version=0.0.4")],
+        [("content-type", metrics::CONTENT_TYPE)],
         state.metrics.render(&stats),
     )
         .into_response()
@@ -297,15 +300,12 @@ async fn submit(
         {
             Ok((id, events)) => {
                 ids.push(id);
-                state
-                    .metrics
-                    .prompt_tokens
-                    .fetch_add(prompt.len() as u64, Ordering::Relaxed);
+                state.metrics.admitted(prompt.len());
                 out.push(Submitted {
                     prompt_index,
+                    timing: Timing::new(state.metrics.clone(), prompt.len(), params.n),
                     prompt,
                     events,
-                    timing: Timing::new(),
                 });
             }
             Err(e) => {
@@ -317,58 +317,83 @@ async fn submit(
     Ok(out)
 }
 
-/// Latency bookkeeping of one request for the metrics and the request log.
-struct Timing {
-    start: Instant,
-    first: Option<Instant>,
-    last: Instant,
+/// One sample's progress, for the metrics.
+#[derive(Clone, Default)]
+struct SampleClock {
     tokens: usize,
+    queue: Duration,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    ended: bool,
+}
+
+/// Latency and length bookkeeping of one submitted prompt and its samples, for the metrics
+/// and the request log. Samples that have not ended when it is dropped (the client left
+/// and the engine aborts them) count as aborted.
+struct Timing {
+    metrics: Arc<Metrics>,
+    start: Instant,
+    prompt_tokens: usize,
+    samples: Vec<SampleClock>,
 }
 
 impl Timing {
-    fn new() -> Timing {
-        let now = Instant::now();
+    fn new(metrics: Arc<Metrics>, prompt_tokens: usize, n: usize) -> Timing {
         Timing {
-            start: now,
-            first: None,
-            last: now,
-            tokens: 0,
+            metrics,
+            start: Instant::now(),
+            prompt_tokens,
+            samples: vec![SampleClock::default(); n],
         }
     }
 
-    fn token(&mut self, m: &Metrics, d: &SeqDelta) {
+    fn token(&mut self, d: &SeqDelta) {
+        let now = Instant::now();
+        let s = &mut self.samples[d.index];
         if let Some(q) = d.queue_time {
-            m.queue_time.observe(q.as_secs_f64());
+            s.queue = q;
         }
         let n = d.token_ids.len();
-        let now = Instant::now();
-        match self.first {
-            None => {
-                self.first = Some(now);
-                m.time_to_first_token
-                    .observe((now - self.start).as_secs_f64());
-            }
-            Some(_) => m
-                .inter_token_latency
-                .observe((now - self.last).as_secs_f64()),
+        if n > 0 {
+            let since = now - s.last.unwrap_or(self.start);
+            self.metrics.output(n, since, s.first.is_none());
+            s.first.get_or_insert(now);
+            s.last = Some(now);
+            s.tokens += n;
         }
-        self.last = now;
-        self.tokens += n;
-        m.generation_tokens.fetch_add(n as u64, Ordering::Relaxed);
+        if let Some(reason) = d.finish_reason {
+            s.ended = true;
+            let first = s.first.unwrap_or(now);
+            self.metrics.ended(&SequenceEnd {
+                reason,
+                prompt_tokens: self.prompt_tokens,
+                generation_tokens: s.tokens,
+                queue: s.queue,
+                prefill: (first - self.start).saturating_sub(s.queue),
+                decode: now - first,
+                e2e: now - self.start,
+            });
+        }
     }
 
-    fn finish(&self, m: &Metrics, id: &str, prompt_tokens: usize) {
-        let total = self.start.elapsed();
-        m.e2e_latency.observe(total.as_secs_f64());
-        let ttft = self.first.map_or(0.0, |f| (f - self.start).as_secs_f64());
+    fn finish(&self, id: &str) {
+        let ttft = self.samples.iter().filter_map(|s| s.first).min();
         tracing::info!(
             request = id,
-            prompt_tokens,
-            generated_tokens = self.tokens,
-            ttft_s = ttft,
-            total_s = total.as_secs_f64(),
+            prompt_tokens = self.prompt_tokens,
+            generated_tokens = self.samples.iter().map(|s| s.tokens).sum::<usize>(),
+            ttft_s = ttft.map_or(0.0, |f| (f - self.start).as_secs_f64()),
+            total_s = self.start.elapsed().as_secs_f64(),
             "request finished"
         );
+    }
+}
+
+impl Drop for Timing {
+    fn drop(&mut self) {
+        for _ in self.samples.iter().filter(|s| !s.ended) {
+            self.metrics.abandoned();
+        }
     }
 }
 
@@ -453,7 +478,7 @@ async fn collect(
             vec![(String::new(), vec![], None); job.n];
         while let Some(event) = sub.events.recv().await {
             let d = event.map_err(failure_error)?;
-            sub.timing.token(&state.metrics, &d);
+            sub.timing.token(&d);
             completion_tokens += d.token_ids.len();
             let s = &mut samples[d.index];
             s.0.push_str(&d.text);
@@ -462,7 +487,7 @@ async fn collect(
                 s.2 = Some(finish_name(f));
             }
         }
-        sub.timing.finish(&state.metrics, &job.id, sub.prompt.len());
+        sub.timing.finish(&job.id);
         for (i, (text, lps, finish)) in samples.into_iter().enumerate() {
             let index = sub.prompt_index * job.n + i;
             let logprobs = logprobs_json(&state, job.kind, &lps);
@@ -541,7 +566,7 @@ struct Streaming {
 async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
     match s.sub.events.recv().await {
         Some(Ok(d)) => {
-            s.sub.timing.token(&s.state.metrics, &d);
+            s.sub.timing.token(&d);
             s.completion_tokens
                 .fetch_add(d.token_ids.len() as u64, Ordering::Relaxed);
             let first = !std::mem::replace(&mut s.started[d.index], true);
@@ -554,9 +579,7 @@ async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
             Some((v, s))
         }
         None => {
-            s.sub
-                .timing
-                .finish(&s.state.metrics, &s.job.id, s.sub.prompt.len());
+            s.sub.timing.finish(&s.job.id);
             None
         }
     }

@@ -371,6 +371,18 @@ async fn api_key_queue_limit_and_graceful_shutdown() {
         200
     );
     assert_eq!(status(&format!("{b}/v1/models")).await, Some(401));
+    // The chat page loads without the key (it asks for it) and allows only its own assets.
+    for (path, kind) in [
+        ("/", "text/html"),
+        ("/ui/chat.js", "text/javascript"),
+        ("/ui/chat.css", "text/css"),
+    ] {
+        let r = reqwest::get(format!("{b}{path}")).await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        let header = |name: &str| r.headers()[name].to_str().unwrap().to_string();
+        assert!(header("content-type").starts_with(kind), "{path}");
+        assert!(header("content-security-policy").contains("script-src 'self'"));
+    }
     assert_eq!(
         status(&format!("{b}/health")).await,
         Some(200),
