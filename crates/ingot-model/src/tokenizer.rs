@@ -60,6 +60,17 @@ impl Tokenizer {
         }
     }
 
+    /// The tokenizer of another model (`--tokenizer`): an HF directory's `tokenizer.json`
+    /// with its config files, or a GGUF file's vocabulary.
+    pub fn open(path: &Path) -> Result<Tokenizer> {
+        if path.is_dir() {
+            from_hf_dir(path)
+        } else {
+            from_gguf(&GgufFile::open(path)?)
+        }
+        .with_context(|| format!("cannot read a tokenizer from {}", path.display()))
+    }
+
     /// Token ids of `text`; `add_special_tokens` applies the model's BOS rule.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self

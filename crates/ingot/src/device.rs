@@ -67,6 +67,10 @@ pub struct ModelArgs {
     pub threads: Option<usize>,
     #[arg(long, value_enum, default_value = "auto")]
     pub load_format: LoadFormat,
+    /// Take the tokenizer (and chat template) from this HF directory or .gguf file instead
+    /// of the model's: with `--load-format dummy`, real text at a model's shapes.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Work that runs on whichever backend `--device` picked.
@@ -128,6 +132,20 @@ impl ModelArgs {
             LoadFormat::Auto => Checkpoint::open(&self.model)?,
             LoadFormat::Dummy => Checkpoint::dummy(&self.model)?,
         };
-        ingot_model::load_checkpoint(backend, &ckpt, self.dtype)
+        let (model, tokenizer) = ingot_model::load_checkpoint(backend, &ckpt, self.dtype)?;
+        let Some(path) = &self.tokenizer else {
+            return Ok((model, tokenizer));
+        };
+        let tokenizer = Tokenizer::open(path)?;
+        if tokenizer.vocab_size() > model.config.vocab_size {
+            bail!(
+                "the tokenizer of {} has {} tokens, more than the model's vocabulary of {}",
+                path.display(),
+                tokenizer.vocab_size(),
+                model.config.vocab_size
+            );
+        }
+        tracing::info!("tokenizer from {}", path.display());
+        Ok((model, tokenizer))
     }
 }

@@ -11,7 +11,7 @@ use crate::generate::Format;
 use anyhow::{bail, ensure, Context, Result};
 use futures_util::StreamExt;
 use indicatif::ProgressBar;
-use ingot_model::{Checkpoint, Tokenizer};
+use ingot_model::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -109,8 +109,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         "--base-url must be a plain http:// URL (this build has no TLS), got {}",
         args.base_url
     );
-    let tokenizer = Tokenizer::from_checkpoint(&Checkpoint::open(&args.tokenizer)?)
-        .with_context(|| format!("loading the tokenizer of {}", args.tokenizer.display()))?;
+    let tokenizer = Tokenizer::open(&args.tokenizer)?;
     let pool = round_trip_ids(&tokenizer)?;
     let mut rng = StdRng::seed_from_u64(args.seed);
     let requests = (0..args.dataset.num_prompts)
