@@ -248,9 +248,13 @@ fn token_cap_rejects_overlong_prompts_without_disturbing_others() {
 /// Steps overlap: a call submits the next step before it detokenizes the last one's
 /// tokens, so a sequence that a stop string or an abort ends has a step in flight. That
 /// step's token is dropped, its blocks are freed, and the other sequences go on unchanged.
+/// In f32, where a row's result does not depend on its batch: the later runs find the
+/// first prompt in the prefix cache and prefill fewer rows, and with quantized weights
+/// fewer rows take another product path, which on AVX-512 turned a token of the other
+/// request.
 #[test]
 fn sequences_ended_with_a_step_in_flight_drop_its_token() {
-    let Some(mut e) = engine(WeightDType::Auto, config(2048, 256, true)) else {
+    let Some(mut e) = engine(WeightDType::F32, config(2048, 256, true)) else {
         return;
     };
     let ps = prompts(&[40, 25]);
