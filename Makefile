@@ -22,9 +22,10 @@ run: model build
 
 # Everything CI checks: formatting, lints, the Rust tests (the CUDA kernels compile with
 # NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run;
-# the wgpu tests run on Mesa's lavapipe, installed from Debian's packages when missing),
-# and the Python suite that drives `ingot serve` with the official openai client (its venv
-# lives in ~/.cache/ingot).
+# the wgpu tests run on Mesa's lavapipe), and the Python suite that drives `ingot serve`
+# with the official openai client, headless Chromium (the chat page) and Prometheus (its
+# venv lives in ~/.cache/ingot). scripts/install-test-packages installs lavapipe, Chromium
+# and Prometheus from Debian's packages where missing.
 test: model
 	scripts/install-test-packages
 	$(CARGO) fmt --all -- --check

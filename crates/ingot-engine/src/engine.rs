@@ -213,8 +213,9 @@ struct NewToken {
 
 /// Sequences in one step by default on a GPU.
 pub const GPU_MAX_NUM_SEQS: usize = 64;
-/// On the CPU a few cores decode: 16 sequences already take most of what batching gains
-/// there, and every sequence's context is committed host memory.
+/// On the CPU a few cores share every step, so batches stay small (16, as llama-server's
+/// slots in the CPU comparison of docs/benchmarks.md), and every sequence's context is
+/// committed host memory.
 pub const CPU_MAX_NUM_SEQS: usize = 16;
 /// On the CPU the default context is capped as llama.cpp's is: a long context on a few
 /// cores takes minutes to prefill, and the KV cache is reserved for every sequence's.
