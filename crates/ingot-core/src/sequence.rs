@@ -15,6 +15,17 @@ pub enum FinishReason {
     Abort,
 }
 
+impl FinishReason {
+    /// The name OpenAI's `finish_reason` and the metrics' label use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Sequence {
     pub id: SeqId,

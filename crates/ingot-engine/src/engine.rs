@@ -18,9 +18,9 @@ pub type RequestId = u64;
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
-    /// Defaults to [`GPU_MAX_NUM_SEQS`], or [`CPU_MAX_NUM_SEQS`] on the CPU.
+    /// Defaults to [`default_max_num_seqs`]: 64 on a GPU, 16 on the CPU.
     pub max_num_seqs: Option<usize>,
-    /// Defaults to the model's context length (at most [`CPU_MAX_MODEL_LEN`] on the CPU).
+    /// Defaults to the model's context length (at most 4096 on the CPU).
     pub max_model_len: Option<usize>,
     pub block_size: usize,
     /// Bytes for the KV cache. Defaults: on a GPU what `gpu_memory_utilization` leaves; on
@@ -212,14 +212,23 @@ struct NewToken {
 }
 
 /// Sequences in one step by default on a GPU.
-pub const GPU_MAX_NUM_SEQS: usize = 64;
+const GPU_MAX_NUM_SEQS: usize = 64;
 /// On the CPU a few cores share every step, so batches stay small (16, as llama-server's
 /// slots in the CPU comparison of docs/benchmarks.md), and every sequence's context is
 /// committed host memory.
-pub const CPU_MAX_NUM_SEQS: usize = 16;
+const CPU_MAX_NUM_SEQS: usize = 16;
 /// On the CPU the default context is capped as llama.cpp's is: a long context on a few
 /// cores takes minutes to prefill, and the KV cache is reserved for every sequence's.
-pub const CPU_MAX_MODEL_LEN: usize = 4096;
+const CPU_MAX_MODEL_LEN: usize = 4096;
+
+/// The sequences a step takes when `max_num_seqs` is not given.
+pub fn default_max_num_seqs<B: Backend>(backend: &B) -> usize {
+    if backend.runs_on_host_cpu() {
+        CPU_MAX_NUM_SEQS
+    } else {
+        GPU_MAX_NUM_SEQS
+    }
+}
 
 fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
@@ -258,11 +267,9 @@ impl<B: Backend> Engine<B> {
                 cfg.max_position_embeddings
             );
         }
-        let max_num_seqs = config.max_num_seqs.unwrap_or(if on_cpu {
-            CPU_MAX_NUM_SEQS
-        } else {
-            GPU_MAX_NUM_SEQS
-        });
+        let max_num_seqs = config
+            .max_num_seqs
+            .unwrap_or_else(|| default_max_num_seqs(&backend));
         if config.block_size == 0 || max_num_seqs == 0 || config.max_num_batched_tokens == 0 {
             bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
         }

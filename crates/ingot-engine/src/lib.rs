@@ -8,9 +8,10 @@ pub mod engine_loop;
 pub mod runner;
 pub mod sampler;
 
+pub use engine::default_max_num_seqs;
 pub use engine::{
     Completion, Engine, EngineConfig, EngineStats, QueueFull, RequestId, RequestOutput, SeqDelta,
-    StepInfo, CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS,
+    StepInfo,
 };
 pub use engine_loop::{EngineHandle, Event, Events, Failure, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};

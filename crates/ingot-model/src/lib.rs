@@ -39,9 +39,18 @@ pub fn load_checkpoint<B: Backend>(
     ckpt: &Checkpoint,
     dtype: WeightDType,
 ) -> Result<(Model<B>, Tokenizer)> {
+    let tokenizer = Tokenizer::from_checkpoint(ckpt)?;
+    Ok((load_model(backend, ckpt, dtype)?, tokenizer))
+}
+
+/// Loads a checkpoint's weights onto `backend`, without its tokenizer.
+pub fn load_model<B: Backend>(
+    backend: &B,
+    ckpt: &Checkpoint,
+    dtype: WeightDType,
+) -> Result<Model<B>> {
     let path = ckpt.path();
     let config = ckpt.config()?;
-    let tokenizer = Tokenizer::from_checkpoint(ckpt)?;
     let weights = weights::Weights::load(backend, ckpt, &config, dtype)?;
     tracing::info!(
         "loaded {:?} from {}: {} layers, hidden {}, {} heads / {} kv heads, vocab {}, weights {:.1} MiB",
@@ -54,5 +63,5 @@ pub fn load_checkpoint<B: Backend>(
         config.vocab_size,
         weights.bytes as f64 / (1 << 20) as f64
     );
-    Ok((Model { config, weights }, tokenizer))
+    Ok(Model { config, weights })
 }

@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
-use ingot_core::{AdmissionError, InvalidParam, SamplingParams};
+use ingot_core::{AdmissionError, FinishReason, InvalidParam, SamplingParams};
 use ingot_engine::{EngineHandle, Events, Failure, SeqDelta, SubmitError, TokenLogprobs};
 use ingot_model::chat::Message;
 use serde_json::{json, Value};
@@ -474,7 +474,7 @@ async fn collect(
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
     for mut sub in subs {
         prompt_tokens += sub.prompt.len();
-        let mut samples: Vec<(String, Vec<TokenLogprobs>, Option<String>)> =
+        let mut samples: Vec<(String, Vec<TokenLogprobs>, Option<&str>)> =
             vec![(String::new(), vec![], None); job.n];
         while let Some(event) = sub.events.recv().await {
             let d = event.map_err(failure_error)?;
@@ -484,7 +484,7 @@ async fn collect(
             s.0.push_str(&d.text);
             s.1.extend(d.logprobs);
             if let Some(f) = d.finish_reason {
-                s.2 = Some(finish_name(f));
+                s.2 = Some(f.as_str());
             }
         }
         sub.timing.finish(&job.id);
@@ -515,18 +515,11 @@ async fn collect(
     })))
 }
 
-fn finish_name(f: ingot_core::FinishReason) -> String {
-    serde_json::to_value(f)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
-}
-
 /// One streamed chunk for one sample's delta.
 fn chunk(state: &AppState, job: &Job, prompt_index: usize, d: &SeqDelta, first: bool) -> Value {
     let index = prompt_index * job.n + d.index;
     let logprobs = logprobs_json(state, job.kind, &d.logprobs);
-    let finish = d.finish_reason.map(finish_name);
+    let finish = d.finish_reason.map(FinishReason::as_str);
     match job.kind {
         Kind::Completion => {
             let echo = if first {

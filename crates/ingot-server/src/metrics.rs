@@ -34,14 +34,6 @@ struct Finished {
     finished_reason: &'static str,
 }
 
-fn reason_label(f: FinishReason) -> &'static str {
-    match f {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Abort => "abort",
-    }
-}
-
 /// What one sequence did, reported when it ends.
 pub struct SequenceEnd {
     pub reason: FinishReason,
@@ -170,11 +162,7 @@ impl Metrics {
     /// A sequence ended: a finish reason for every one; times and lengths for the ones
     /// that ran to a stop or their length.
     pub fn ended(&self, end: &SequenceEnd) {
-        self.finished
-            .get_or_create(&Finished {
-                finished_reason: reason_label(end.reason),
-            })
-            .inc();
+        self.count_finished(end.reason);
         if end.reason == FinishReason::Abort {
             return;
         }
@@ -188,9 +176,13 @@ impl Metrics {
 
     /// A sequence whose client left before it ended.
     pub fn abandoned(&self) {
+        self.count_finished(FinishReason::Abort);
+    }
+
+    fn count_finished(&self, reason: FinishReason) {
         self.finished
             .get_or_create(&Finished {
-                finished_reason: reason_label(FinishReason::Abort),
+                finished_reason: reason.as_str(),
             })
             .inc();
     }

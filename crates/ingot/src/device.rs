@@ -132,11 +132,11 @@ impl ModelArgs {
             LoadFormat::Auto => Checkpoint::open(&self.model)?,
             LoadFormat::Dummy => Checkpoint::dummy(&self.model)?,
         };
-        let (model, tokenizer) = ingot_model::load_checkpoint(backend, &ckpt, self.dtype)?;
         let Some(path) = &self.tokenizer else {
-            return Ok((model, tokenizer));
+            return ingot_model::load_checkpoint(backend, &ckpt, self.dtype);
         };
         let tokenizer = Tokenizer::open(path)?;
+        let model = ingot_model::load_model(backend, &ckpt, self.dtype)?;
         if tokenizer.vocab_size() > model.config.vocab_size {
             bail!(
                 "the tokenizer of {} has {} tokens, more than the model's vocabulary of {}",

@@ -268,9 +268,8 @@ async function send(text) {
     });
   };
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await api("/v1/chat/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json", ...(state.key ? { Authorization: "Bearer " + state.key } : {}) },
       body: JSON.stringify(body),
       signal: state.controller.signal,
     });

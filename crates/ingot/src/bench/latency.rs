@@ -10,7 +10,7 @@ use crate::generate::{EngineArgs, Format};
 use anyhow::{ensure, Result};
 use ingot_backend::Backend;
 use ingot_core::SamplingParams;
-use ingot_engine::{Engine, CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS};
+use ingot_engine::{default_max_num_seqs, Engine};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -145,14 +145,9 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
     let vocab = model.config.vocab_size as u32;
     let mut config = args.engine.config();
     // The batch runs as one, also where it has more rows than the default sequences.
-    let default_seqs = if backend.runs_on_host_cpu() {
-        CPU_MAX_NUM_SEQS
-    } else {
-        GPU_MAX_NUM_SEQS
-    };
     config
         .max_num_seqs
-        .get_or_insert(default_seqs.max(args.batch_size));
+        .get_or_insert(default_max_num_seqs(&backend).max(args.batch_size));
     let mut engine = Engine::new(backend, model, Arc::new(tokenizer), config)?;
     let mut rng = StdRng::seed_from_u64(0);
     let params = SamplingParams {
