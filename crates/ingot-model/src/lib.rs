@@ -39,8 +39,10 @@ pub fn load_checkpoint<B: Backend>(
     ckpt: &Checkpoint,
     dtype: WeightDType,
 ) -> Result<(Model<B>, Tokenizer)> {
-    let tokenizer = Tokenizer::from_checkpoint(ckpt)?;
-    Ok((load_model(backend, ckpt, dtype)?, tokenizer))
+    // The weights first: a checkpoint's config errors (an unsupported architecture) say
+    // more than a missing tokenizer would.
+    let model = load_model(backend, ckpt, dtype)?;
+    Ok((model, Tokenizer::from_checkpoint(ckpt)?))
 }
 
 /// Loads a checkpoint's weights onto `backend`, without its tokenizer.
