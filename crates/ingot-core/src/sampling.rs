@@ -35,6 +35,35 @@ pub struct SamplingParams {
     /// Independent samples of the prompt, sharing its cached blocks.
     pub n: usize,
     pub skip_special_tokens: bool,
+    /// A constraint every generated token must keep satisfiable (JSON schema, regex,
+    /// choice or grammar); the engine masks what it forbids.
+    pub structured: Option<StructuredOutput>,
+}
+
+/// What the output must match, as a request states it; compiled by the engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StructuredOutput {
+    /// A JSON value valid under this JSON schema.
+    JsonSchema(serde_json::Value),
+    /// Any JSON object.
+    JsonObject,
+    /// Text the whole of which matches this regular expression.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A context-free grammar in llguidance's Lark syntax.
+    Grammar(String),
+}
+
+impl StructuredOutput {
+    /// The request field a problem with this constraint is reported against.
+    pub fn field(&self) -> &'static str {
+        match self {
+            StructuredOutput::JsonSchema(_) | StructuredOutput::JsonObject => "response_format",
+            _ => "structured_outputs",
+        }
+    }
 }
 
 impl Default for SamplingParams {
@@ -57,6 +86,7 @@ impl Default for SamplingParams {
             logprobs: None,
             n: 1,
             skip_special_tokens: true,
+            structured: None,
         }
     }
 }
@@ -197,6 +227,11 @@ impl SamplingParams {
             })?;
         }
         check(self.n >= 1, "n", || "must be at least 1".into())?;
+        if let Some(StructuredOutput::Choice(choices)) = &self.structured {
+            check(!choices.is_empty(), "structured_outputs", || {
+                "`choice` must list at least one string".into()
+            })?;
+        }
         Ok(())
     }
 }

@@ -13,6 +13,8 @@ pub enum FinishReason {
     /// `max_tokens` reached.
     Length,
     Abort,
+    /// The request could not go on (its structured-output constraint failed).
+    Error,
 }
 
 impl FinishReason {
@@ -22,6 +24,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
         }
     }
 }

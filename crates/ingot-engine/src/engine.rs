@@ -3,13 +3,15 @@
 use crate::detokenizer::Detokenizer;
 use crate::runner::{ModelRunner, RunnerConfig, StepInput};
 use crate::sampler::{Sampler, TokenLogprobs};
+use crate::structured::{Constraint, Grammar, Grammars};
 use anyhow::{bail, Result};
 use ingot_backend::{Backend, DType};
 use ingot_core::{
     FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
 };
 use ingot_model::{Activations, KvCache, Model, Tokenizer};
-use std::collections::HashMap;
+use rayon::prelude::*;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -94,6 +96,8 @@ struct SeqState {
     request_id: RequestId,
     index: usize,
     sampler: Sampler,
+    /// The request's structured-output constraint, advanced with every token.
+    constraint: Option<Constraint>,
     detok: Detokenizer,
     /// Output text so far (cut at a stop string once one is found).
     text: String,
@@ -113,6 +117,12 @@ pub struct StepInfo {
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
     pub execute: Duration,
+    /// Rows whose token a structured-output constraint masked.
+    pub constrained_rows: usize,
+    /// Wall time of computing those masks (in parallel, while the device ran the step).
+    pub mask_time: Duration,
+    /// The masks' time summed over rows.
+    pub mask_time_total: Duration,
 }
 
 /// A request refused because the queue is full: the client may retry later.
@@ -150,6 +160,7 @@ struct Siblings {
     first: SeqId,
     prompt: Vec<u32>,
     params: SamplingParams,
+    grammar: Option<Grammar>,
     arrival: Instant,
 }
 
@@ -170,6 +181,7 @@ pub struct Engine<B: Backend> {
     runner: ModelRunner<B>,
     scheduler: Scheduler,
     tokenizer: Arc<Tokenizer>,
+    grammars: Grammars,
     seqs: HashMap<SeqId, SeqState>,
     requests: HashMap<RequestId, RequestState>,
     max_waiting: Option<usize>,
@@ -201,7 +213,8 @@ struct InFlight {
 /// A token committed to its sequence, whose text and stop strings are still to be checked.
 struct NewToken {
     id: SeqId,
-    token: u32,
+    /// `None` when the sequence's constraint failed and it ends without a token.
+    token: Option<u32>,
     logprobs: Option<TokenLogprobs>,
     /// The sequence's output tokens, this one included.
     num_output: usize,
@@ -209,6 +222,8 @@ struct NewToken {
     stop_token: bool,
     /// The sequence has `max_tokens` outputs.
     at_length: bool,
+    /// The sequence's structured-output grammar is complete.
+    grammar_done: bool,
 }
 
 /// Sequences in one step by default on a GPU.
@@ -367,10 +382,12 @@ impl<B: Backend> Engine<B> {
             num_blocks,
             prefix_caching: config.prefix_caching,
         });
+        let grammars = Grammars::new(tokenizer.clone(), runner.vocab_size());
         Ok(Engine {
             runner,
             scheduler,
             tokenizer,
+            grammars,
             seqs: HashMap::new(),
             requests: HashMap::new(),
             max_waiting: config.max_waiting,
@@ -387,6 +404,11 @@ impl<B: Backend> Engine<B> {
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
+    }
+
+    /// Compiles requests' structured-output constraints for this model's tokenizer.
+    pub fn grammars(&self) -> &Grammars {
+        &self.grammars
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -439,15 +461,32 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Queues a request; it is rejected here if its parameters are invalid, it can never
-    /// fit, or (with [`QueueFull`]) the queue is full.
+    /// Queues a request; it is rejected here if its parameters are invalid, its
+    /// structured-output constraint does not compile, it can never fit, or (with
+    /// [`QueueFull`]) the queue is full.
     pub fn add_request(
         &mut self,
         request_id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<()> {
+        let grammar = self.grammars.compile_for(params.structured.as_ref())?;
+        self.add_compiled_request(request_id, prompt, params, grammar)
+    }
+
+    /// As [`add_request`](Self::add_request), with the constraint of `params` compiled
+    /// already (by [`Engine::grammars`], off the engine's thread).
+    pub fn add_compiled_request(
+        &mut self,
+        request_id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        grammar: Option<Grammar>,
+    ) -> Result<()> {
         params.validate(self.runner.vocab_size())?;
+        if params.structured.is_some() != grammar.is_some() {
+            bail!("a request's structured-output constraint must be compiled with it");
+        }
         let vocab = self.runner.vocab_size() as u32;
         if let Some(t) = prompt.iter().find(|&&t| t >= vocab) {
             bail!("prompt token id {t} is outside the vocabulary of {vocab}");
@@ -466,11 +505,12 @@ impl<B: Backend> Engine<B> {
             }
         }
         let arrival = Instant::now();
-        let first = self.new_seq(request_id, 0, &prompt, &params, arrival);
+        let first = self.new_seq(request_id, 0, &prompt, &params, grammar.as_ref(), arrival);
         let siblings = (params.n > 1).then_some(Siblings {
             first,
             prompt,
             params,
+            grammar,
             arrival,
         });
         self.requests.insert(
@@ -490,6 +530,7 @@ impl<B: Backend> Engine<B> {
         index: usize,
         prompt: &[u32],
         params: &SamplingParams,
+        grammar: Option<&Grammar>,
         arrival: Instant,
     ) -> SeqId {
         let id = self.next_seq;
@@ -502,6 +543,7 @@ impl<B: Backend> Engine<B> {
                 request_id,
                 index,
                 sampler,
+                constraint: grammar.map(Constraint::new),
                 detok,
                 text: String::new(),
                 sent: 0,
@@ -526,7 +568,16 @@ impl<B: Backend> Engine<B> {
         }
         let sib = req.siblings.take().expect("checked above");
         let ids: Vec<SeqId> = (1..sib.params.n)
-            .map(|index| self.new_seq(request_id, index, &sib.prompt, &sib.params, sib.arrival))
+            .map(|index| {
+                self.new_seq(
+                    request_id,
+                    index,
+                    &sib.prompt,
+                    &sib.params,
+                    sib.grammar.as_ref(),
+                    sib.arrival,
+                )
+            })
             .collect();
         if let Some(req) = self.requests.get_mut(&request_id) {
             req.seqs.extend(ids);
@@ -640,6 +691,7 @@ impl<B: Backend> Engine<B> {
         let out = self.scheduler.schedule();
         if !out.seqs.is_empty() {
             in_runner += self.submit(out)?;
+            self.compute_masks();
         }
         let Some((info, tokens)) = done else {
             self.last_step = StepInfo::default();
@@ -650,6 +702,30 @@ impl<B: Backend> Engine<B> {
             ..info
         };
         self.deliver(tokens)
+    }
+
+    /// Computes the token masks of the constrained rows of the step in flight, in
+    /// parallel, while the device runs it: the tokens before are committed, so each
+    /// matcher stands where the row's next token is chosen.
+    fn compute_masks(&mut self) {
+        let Some(f) = self.in_flight.as_mut() else {
+            return;
+        };
+        let sampled: HashSet<SeqId> = f.sampled.iter().copied().collect();
+        let mut rows: Vec<&mut Constraint> = self
+            .seqs
+            .iter_mut()
+            .filter(|(id, _)| sampled.contains(id))
+            .filter_map(|(_, st)| st.constraint.as_mut())
+            .collect();
+        if rows.is_empty() {
+            return;
+        }
+        let start = Instant::now();
+        let total: Duration = rows.par_iter_mut().map(|c| c.compute_mask()).sum();
+        f.info.constrained_rows = rows.len();
+        f.info.mask_time = start.elapsed();
+        f.info.mask_time_total = total;
     }
 
     /// Queues a scheduled step on the device; returns the time spent in the model runner.
@@ -668,14 +744,17 @@ impl<B: Backend> Engine<B> {
                 st.queue_time = Some(arrival.elapsed());
             }
         }
+        // Constrained rows are masked and sampled on the host.
+        let constrained = sampled.iter().any(|id| self.seqs[id].constraint.is_some());
         // Plain greedy rows need only their argmax, which the device sends back alone.
-        let greedy = sampled.iter().all(|id| {
+        let greedy = !constrained && sampled.iter().all(|id| {
             let seq = self.scheduler.get(*id).expect("sampled sequences run");
             self.seqs[id].sampler.is_plain_greedy(seq.num_output())
         });
         // Otherwise a device that samples picks the tokens unless a row wants logprobs,
         // which are computed from the logits on the host.
         let on_device = self.runner.backend.samples_on_device()
+            && !constrained
             && sampled
                 .iter()
                 .all(|id| self.seqs[id].sampler.params().logprobs.is_none());
@@ -731,33 +810,60 @@ impl<B: Backend> Engine<B> {
             let Some(seq) = self.scheduler.get(id) else {
                 continue;
             };
+            let num_before = seq.num_output();
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
-            let (token, logprobs) = match &picked {
-                Sampled::Tokens(ids) => (ids[k], None),
+            let picked = match &picked {
+                Sampled::Tokens(ids) => Ok((ids[k], None)),
                 Sampled::Logits(logits) => {
                     let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
-                    state
-                        .sampler
-                        .sample(&mut row, &seq.tokens, seq.num_output())
+                    state.sampler.sample(
+                        &mut row,
+                        &seq.tokens,
+                        seq.num_output(),
+                        state.constraint.as_ref(),
+                    )
                 }
             };
+            let grammar_done = match (&picked, state.constraint.as_mut()) {
+                (Ok((token, _)), Some(c)) => c.accept(*token),
+                _ => Ok(false),
+            };
+            let request_id = state.request_id;
+            let (token, logprobs, grammar_done) = match (picked, grammar_done) {
+                (Ok((token, logprobs)), Ok(done)) => (token, logprobs, done),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::warn!("request {request_id}: {e:#}");
+                    self.scheduler.remove(id);
+                    tokens.push(NewToken {
+                        id,
+                        token: None,
+                        logprobs: None,
+                        num_output: num_before,
+                        stop_token: false,
+                        at_length: false,
+                        grammar_done: false,
+                    });
+                    continue;
+                }
+            };
+            let seq = self.scheduler.get(id).expect("checked above");
             let num_output = seq.num_output() + 1;
             let p = state.sampler.params();
             let stop_token = num_output >= p.min_tokens && state.sampler.is_stop_token(token);
             let at_length = num_output >= p.max_tokens;
-            let request_id = state.request_id;
             self.scheduler.append(id, token);
-            if stop_token || at_length {
+            if stop_token || at_length || grammar_done {
                 self.scheduler.remove(id);
             }
             self.release_siblings(request_id, id);
             tokens.push(NewToken {
                 id,
-                token,
+                token: Some(token),
                 logprobs,
                 num_output,
                 stop_token,
                 at_length,
+                grammar_done,
             });
         }
         debug_assert_eq!(ready, tokens.iter().map(|t| t.id).collect::<Vec<_>>());
@@ -787,22 +893,30 @@ impl<B: Backend> Engine<B> {
     fn advance(tok: &Tokenizer, st: &mut SeqState, t: NewToken) -> Result<SeqDelta> {
         let p = st.sampler.params();
         let mut finish = None;
-        if t.stop_token {
-            finish = Some(FinishReason::Stop);
-        } else {
-            let before = st.text.len();
-            st.text.push_str(&st.detok.push(tok, t.token)?);
-            if t.num_output >= p.min_tokens {
-                if let Some(cut) = find_stop(&st.text, &p.stop, before) {
-                    st.text.truncate(cut);
+        let mut flush = false;
+        match t.token {
+            None => finish = Some(FinishReason::Error),
+            Some(_) if t.stop_token => finish = Some(FinishReason::Stop),
+            Some(token) => {
+                let before = st.text.len();
+                st.text.push_str(&st.detok.push(tok, token)?);
+                if t.num_output >= p.min_tokens {
+                    if let Some(cut) = find_stop(&st.text, &p.stop, before) {
+                        st.text.truncate(cut);
+                        finish = Some(FinishReason::Stop);
+                    }
+                }
+                if finish.is_none() && t.grammar_done {
                     finish = Some(FinishReason::Stop);
+                    flush = true;
                 }
             }
         }
         if finish.is_none() && t.at_length {
             finish = Some(FinishReason::Length);
+            flush = true;
         }
-        if finish == Some(FinishReason::Length) {
+        if flush {
             st.text.push_str(&st.detok.flush(tok)?);
         }
         // Hold back what could still become a stop string.
@@ -820,7 +934,7 @@ impl<B: Backend> Engine<B> {
         Ok(SeqDelta {
             request_id: st.request_id,
             index: st.index,
-            token_ids: vec![t.token],
+            token_ids: t.token.into_iter().collect(),
             text,
             logprobs: t.logprobs.into_iter().collect(),
             finish_reason: finish,

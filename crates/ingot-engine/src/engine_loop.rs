@@ -3,6 +3,7 @@
 //! disconnected client) is aborted before the next step, all its sequences at once.
 
 use crate::engine::{Engine, EngineStats, QueueFull, RequestId, SeqDelta};
+use crate::structured::{Grammar, Grammars};
 use anyhow::Result;
 use ingot_backend::Backend;
 use ingot_core::SamplingParams;
@@ -48,6 +49,7 @@ enum Command {
         id: RequestId,
         prompt: Vec<u32>,
         params: Box<SamplingParams>,
+        grammar: Option<Grammar>,
         events: EventSender,
         admitted: tokio::sync::oneshot::Sender<Result<(), SubmitError>>,
     },
@@ -71,6 +73,7 @@ struct Inner {
     next_id: AtomicU64,
     stats: Arc<Mutex<EngineStats>>,
     tokenizer: Arc<Tokenizer>,
+    grammars: Grammars,
     max_model_len: usize,
 }
 
@@ -103,6 +106,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel::<Command>();
         let stats = Arc::new(Mutex::new(engine.stats()));
         let tokenizer = engine.tokenizer().clone();
+        let grammars = engine.grammars().clone();
         let max_model_len = engine.max_model_len();
         let shared = stats.clone();
         let thread = std::thread::Builder::new()
@@ -115,6 +119,7 @@ impl EngineHandle {
             next_id: AtomicU64::new(0),
             stats,
             tokenizer,
+            grammars,
             max_model_len,
         };
         EngineHandle {
@@ -140,8 +145,14 @@ impl EngineHandle {
         tx.send(cmd).map_err(|_| SubmitError::Stopped)
     }
 
-    /// Queues a request; the returned receiver answers whether it was admitted.
-    fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Admission, SubmitError> {
+    /// Queues a request with its compiled constraint; the returned receiver answers
+    /// whether it was admitted.
+    fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        grammar: Option<Grammar>,
+    ) -> Result<Admission, SubmitError> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tokio::sync::mpsc::unbounded_channel();
         let (admitted, ack) = tokio::sync::oneshot::channel();
@@ -149,6 +160,7 @@ impl EngineHandle {
             id,
             prompt,
             params: Box::new(params),
+            grammar,
             events,
             admitted,
         })?;
@@ -159,26 +171,42 @@ impl EngineHandle {
         })
     }
 
-    /// Submits a request from a thread; admission errors (invalid parameters, too long)
-    /// come back here.
+    /// Submits a request from a thread; admission errors (invalid parameters, a constraint
+    /// that does not compile, too long) come back here.
     pub fn add_request(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<(RequestId, Events), SubmitError> {
-        let a = self.submit(prompt, params)?;
+        let grammar = self
+            .inner
+            .grammars
+            .compile_for(params.structured.as_ref())
+            .map_err(SubmitError::Rejected)?;
+        let a = self.submit(prompt, params, grammar)?;
         let reply = a.ack.blocking_recv();
         admitted(a.id, a.events, reply)
     }
 
     /// As [`add_request`](Self::add_request), awaiting admission without blocking the
-    /// async runtime while the engine finishes its current step.
+    /// async runtime while the engine finishes its current step. A structured-output
+    /// constraint is compiled on a blocking thread, never on the engine's.
     pub async fn add_request_async(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<(RequestId, Events), SubmitError> {
-        let a = self.submit(prompt, params)?;
+        let grammar = match params.structured.clone() {
+            None => None,
+            Some(spec) => {
+                let grammars = self.inner.grammars.clone();
+                let compiled = tokio::task::spawn_blocking(move || grammars.compile(&spec))
+                    .await
+                    .map_err(|e| SubmitError::Rejected(anyhow::anyhow!("constraint compilation failed: {e}")))?;
+                Some(compiled.map_err(SubmitError::Rejected)?)
+            }
+        };
+        let a = self.submit(prompt, params, grammar)?;
         let reply = a.ack.await;
         admitted(a.id, a.events, reply)
     }
@@ -253,6 +281,7 @@ fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
             id,
             prompt,
             params,
+            grammar,
             events,
             admitted,
         } => {
@@ -261,7 +290,7 @@ fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
                 return;
             }
             let n = params.n;
-            let result = engine.add_request(id, prompt, *params).map_err(|e| {
+            let result = engine.add_compiled_request(id, prompt, *params, grammar).map_err(|e| {
                 match e.downcast::<QueueFull>() {
                     Ok(full) => SubmitError::AtCapacity(full),
                     Err(e) => SubmitError::Rejected(e),

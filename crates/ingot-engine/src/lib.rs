@@ -7,6 +7,7 @@ pub mod engine;
 pub mod engine_loop;
 pub mod runner;
 pub mod sampler;
+pub mod structured;
 
 pub use engine::default_max_num_seqs;
 pub use engine::{
@@ -16,3 +17,4 @@ pub use engine::{
 pub use engine_loop::{EngineHandle, Event, Events, Failure, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};
 pub use sampler::{Sampler, TokenLogprobs};
+pub use structured::{Grammar, Grammars};

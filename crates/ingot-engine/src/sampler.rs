@@ -1,6 +1,7 @@
 //! Per-request token selection: logits processors (bias, penalties, min_tokens), then
 //! greedy or a draw from the tempered, filtered distribution with the request's own RNG.
 
+use crate::structured::Constraint;
 use ingot_backend::{LogitEdit, SampleRow};
 use ingot_core::SamplingParams;
 use rand::rngs::StdRng;
@@ -92,18 +93,23 @@ impl Sampler {
     }
 
     /// Picks the next token of a sequence whose tokens so far are `tokens`, of which the
-    /// last `num_output` were generated. `logits` is modified in place.
+    /// last `num_output` were generated, among those `constraint` allows. `logits` is
+    /// modified in place. Fails only when the constraint has no mask to give.
     pub fn sample(
         &mut self,
         logits: &mut [f32],
         tokens: &[u32],
         num_output: usize,
-    ) -> (u32, Option<TokenLogprobs>) {
+        constraint: Option<&Constraint>,
+    ) -> anyhow::Result<(u32, Option<TokenLogprobs>)> {
         let p = &self.params;
         let raw_logprobs = p.logprobs.map(|_| log_softmax(logits));
         for e in self.logit_edits(tokens, num_output) {
             let x = &mut logits[e.token as usize];
             *x = e.apply(*x);
+        }
+        if let Some(c) = constraint {
+            c.apply(logits)?;
         }
         let (greedy, top_n) = (p.is_greedy(), p.logprobs.unwrap_or(0));
         let token = if greedy {
@@ -119,7 +125,7 @@ impl Sampler {
                 .map(|i| (i, lp[i as usize]))
                 .collect(),
         });
-        (token, logprobs)
+        Ok((token, logprobs))
     }
 
     /// The logits processors for the next token of a sequence whose tokens so far are
@@ -254,7 +260,7 @@ mod tests {
             };
             let mut s = Sampler::new(params, &[], stream);
             (0..30)
-                .map(|_| s.sample(&mut logits(), &[], 0).0)
+                .map(|_| s.sample(&mut logits(), &[], 0, None).unwrap().0)
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(7, 0), draw(7, 0));
@@ -274,7 +280,7 @@ mod tests {
         };
         let mut s = Sampler::new(params, &[], 0);
         for _ in 0..200 {
-            assert!(best.contains(&s.sample(&mut l.clone(), &[], 0).0));
+            assert!(best.contains(&s.sample(&mut l.clone(), &[], 0, None).unwrap().0));
         }
         let params = SamplingParams {
             temperature: 1.0,
@@ -283,7 +289,7 @@ mod tests {
             ..Default::default()
         };
         let mut s = Sampler::new(params, &[], 0);
-        assert_eq!(s.sample(&mut l.clone(), &[], 0).0, argmax(&l));
+        assert_eq!(s.sample(&mut l.clone(), &[], 0, None).unwrap().0, argmax(&l));
         let params = SamplingParams {
             temperature: 1.0,
             min_p: 1.0,
@@ -291,7 +297,7 @@ mod tests {
             ..Default::default()
         };
         let mut s = Sampler::new(params, &[], 0);
-        assert_eq!(s.sample(&mut l.clone(), &[], 0).0, argmax(&l));
+        assert_eq!(s.sample(&mut l.clone(), &[], 0, None).unwrap().0, argmax(&l));
     }
 
     #[test]
@@ -301,7 +307,7 @@ mod tests {
         let mut bias = SamplingParams::greedy(4);
         bias.logit_bias = [(0, 100.0)].into();
         assert_eq!(
-            Sampler::new(bias, &[], 0).sample(&mut l.clone(), &[], 0).0,
+            Sampler::new(bias, &[], 0).sample(&mut l.clone(), &[], 0, None).unwrap().0,
             0
         );
         let rep = SamplingParams {
@@ -310,7 +316,7 @@ mod tests {
         };
         assert_ne!(
             Sampler::new(rep, &[], 0)
-                .sample(&mut l.clone(), &[top], 1)
+                .sample(&mut l.clone(), &[top], 1, None).unwrap()
                 .0,
             top
         );
@@ -324,7 +330,7 @@ mod tests {
         let second = argmax(&l2);
         l2[top as usize] = l[top as usize];
         // Penalised once as an output token, the top choice falls below the runner-up.
-        let got = Sampler::new(pres, &[], 0).sample(&mut l2, &[top, top], 2).0;
+        let got = Sampler::new(pres, &[], 0).sample(&mut l2, &[top, top], 2, None).unwrap().0;
         assert!(got != top || l[top as usize] - 6.0 > l[second as usize]);
         let min = SamplingParams {
             min_tokens: 2,
@@ -332,7 +338,7 @@ mod tests {
         };
         let mut s = Sampler::new(min, &[top], 0);
         assert_ne!(
-            s.sample(&mut l.clone(), &[], 0).0,
+            s.sample(&mut l.clone(), &[], 0, None).unwrap().0,
             top,
             "EOS is masked before min_tokens"
         );
@@ -345,7 +351,7 @@ mod tests {
             logprobs: Some(5),
             ..SamplingParams::greedy(4)
         };
-        let (tok, lp) = Sampler::new(params, &[], 0).sample(&mut logits(), &[], 0);
+        let (tok, lp) = Sampler::new(params, &[], 0).sample(&mut logits(), &[], 0, None).unwrap();
         let lp = lp.unwrap();
         assert_eq!(lp.token, tok);
         assert_eq!(lp.top.len(), 5);
@@ -384,7 +390,7 @@ mod tests {
             let eos = [2];
             let mut host = Sampler::new(params.clone(), &eos, 0);
             let mut host_logits = logits.clone();
-            let host_token = host.sample(&mut host_logits, &tokens, num_output).0;
+            let host_token = host.sample(&mut host_logits, &tokens, num_output, None).unwrap().0;
             let mut device = Sampler::new(params.clone(), &eos, 0);
             let mut edits = vec![];
             let row = device.device_row(&tokens, num_output, &mut edits);

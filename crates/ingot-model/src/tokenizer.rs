@@ -90,6 +90,13 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The tokenizer as HF's `tokenizer.json` text, for libraries that build their own.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| anyhow!("cannot serialize the tokenizer: {e}"))
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

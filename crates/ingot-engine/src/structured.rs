@@ -1,0 +1,186 @@
+//! Structured output: a request's constraint (JSON schema, regex, choice or Lark grammar)
+//! compiled by llguidance, and one matcher per sequence that gives the tokens allowed next
+//! as a bitmask and advances with every token the sequence accepts.
+
+use anyhow::{anyhow, Result};
+use ingot_core::{InvalidParam, StructuredOutput};
+use ingot_model::Tokenizer;
+use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::toktrie::SimpleVob;
+use llguidance::{Matcher, ParserFactory, TokenParser};
+use serde_json::json;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Bounds on what one constraint may cost, so that a request can neither hang a step nor
+/// take the server's memory. A grammar past the build limits is refused at admission; a
+/// token mask past its fuel ends the sequence with an error.
+fn limits() -> ParserLimits {
+    ParserLimits {
+        // llguidance's defaults for the grammar size (a few MB of JSON schema), the
+        // lexer-building fuel (~20 ms) and a mask's lexer fuel (~15 ms) and Earley items
+        // (~2.5 ms).
+        // Lexer states cost 1–2 kB each: 50,000 bound a request to ~100 MB where the
+        // default 250,000 would allow ~500 MB.
+        max_lexer_states: 50_000,
+        // A grammar's text is part of the request, not something to echo in errors.
+        verbose_errors: false,
+        ..ParserLimits::default()
+    }
+}
+
+/// Compiles constraints against one tokenizer. The tokenizer's trie is built on the first
+/// constraint, so a server that never sees one never pays for it.
+#[derive(Clone)]
+pub struct Grammars {
+    tokenizer: Arc<Tokenizer>,
+    vocab_size: usize,
+    factory: Arc<OnceLock<Result<ParserFactory, String>>>,
+}
+
+/// A compiled constraint, not yet started: each sequence of a request starts its own.
+#[derive(Clone)]
+pub struct Grammar(TokenParser);
+
+impl Grammars {
+    /// `vocab_size` is the model's (its logits rows), which may exceed the tokenizer's.
+    pub fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize) -> Grammars {
+        Grammars {
+            tokenizer,
+            vocab_size,
+            factory: Arc::new(OnceLock::new()),
+        }
+    }
+
+    fn factory(&self) -> Result<&ParserFactory> {
+        self.factory
+            .get_or_init(|| {
+                let start = Instant::now();
+                let f = self.build_factory().map_err(|e| format!("{e:#}"));
+                if f.is_ok() {
+                    tracing::info!(
+                        "structured output: token trie of {} tokens built in {:.0} ms",
+                        self.vocab_size,
+                        start.elapsed().as_secs_f64() * 1e3
+                    );
+                }
+                f
+            })
+            .as_ref()
+            .map_err(|e| anyhow!("structured output is not available for this tokenizer: {e}"))
+    }
+
+    fn build_factory(&self) -> Result<ParserFactory> {
+        let json = self.tokenizer.to_json()?;
+        let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_json_bytes(json.as_bytes())?;
+        let eos: Vec<u32> = self
+            .tokenizer
+            .eos_token_ids
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < self.tokenizer.vocab_size())
+            .collect();
+        if !eos.is_empty() {
+            bytes.set_eos_tokens(&eos);
+        }
+        let env = bytes.into_tok_env(Some(self.vocab_size))?;
+        let mut factory = ParserFactory::new_simple(&env)?;
+        factory.quiet();
+        *factory.limits_mut() = limits();
+        Ok(factory)
+    }
+
+    /// Compiles `spec`; a constraint that does not compile is an error naming the
+    /// request field it came from.
+    pub fn compile(&self, spec: &StructuredOutput) -> Result<Grammar> {
+        let invalid = |message: String| InvalidParam {
+            field: spec.field(),
+            message,
+        };
+        let top = match spec {
+            StructuredOutput::JsonSchema(schema) => {
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(invalid("the JSON schema must be an object".into()).into());
+                }
+                TopLevelGrammar::from_json_schema(schema.clone())
+            }
+            StructuredOutput::JsonObject => TopLevelGrammar::from_json_schema(json!({"type": "object"})),
+            StructuredOutput::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            StructuredOutput::Choice(choices) => {
+                let alternatives: Vec<String> = choices
+                    .iter()
+                    .map(|c| serde_json::Value::from(c.as_str()).to_string())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+            }
+            StructuredOutput::Grammar(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        };
+        let parser = self
+            .factory()?
+            .create_parser(top)
+            .map_err(|e| invalid(format!("the constraint does not compile: {e}")))?;
+        Ok(Grammar(parser))
+    }
+
+    /// The grammar `params` ask for, if any.
+    pub fn compile_for(&self, spec: Option<&StructuredOutput>) -> Result<Option<Grammar>> {
+        spec.map(|s| self.compile(s)).transpose()
+    }
+}
+
+/// One sequence's constraint: where its output stands in the grammar, and the mask of the
+/// tokens allowed next once computed.
+pub struct Constraint {
+    matcher: Matcher,
+    /// The next token's allowed set, or why it could not be computed.
+    mask: Option<Result<SimpleVob, String>>,
+}
+
+impl Constraint {
+    pub fn new(grammar: &Grammar) -> Constraint {
+        Constraint {
+            matcher: Matcher::new(Ok(grammar.0.clone())),
+            mask: None,
+        }
+    }
+
+    /// Computes the mask of the next token; returns the time it took.
+    pub fn compute_mask(&mut self) -> Duration {
+        let start = Instant::now();
+        self.mask = Some(self.matcher.compute_mask().map_err(|e| e.to_string()));
+        start.elapsed()
+    }
+
+    /// Sets the logits of forbidden tokens to −∞. Errors if the mask failed (a grammar
+    /// past its fuel, or in an error state) or was not computed.
+    pub fn apply(&self, logits: &mut [f32]) -> Result<()> {
+        let mask = match &self.mask {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => return Err(anyhow!("structured output failed: {e}")),
+            None => return Err(anyhow!("structured output: no mask for this step")),
+        };
+        let words = mask.as_slice();
+        for (w, chunk) in logits.chunks_mut(32).enumerate() {
+            let bits = words.get(w).copied().unwrap_or(0);
+            if bits == u32::MAX {
+                continue;
+            }
+            for (b, x) in chunk.iter_mut().enumerate() {
+                if bits & (1 << b) == 0 {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances past an accepted token; `Ok(true)` when the grammar is complete and allows
+    /// nothing more.
+    pub fn accept(&mut self, token: u32) -> Result<bool> {
+        self.mask = None;
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| anyhow!("structured output rejected token {token}: {e}"))?;
+        Ok(self.matcher.is_stopped())
+    }
+}
