@@ -150,6 +150,19 @@ pub struct EngineStats {
     pub kv_cache_usage: f64,
     pub free_blocks: usize,
     pub total_blocks: usize,
+    pub structured: StructuredStats,
+}
+
+/// Structured-output work since start: token masks computed, the steps that computed them,
+/// and the time they took.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StructuredStats {
+    pub masks: u64,
+    pub steps: u64,
+    /// Summed over masks.
+    pub mask_seconds: f64,
+    /// Summed over steps: the wall time of each step's masks, computed in parallel.
+    pub step_seconds: f64,
 }
 
 /// Samples 2..n of a request, made only once the first sample's prefill is done: then they
@@ -189,6 +202,7 @@ pub struct Engine<B: Backend> {
     /// Ids for `generate`'s requests, kept apart from callers' ids.
     next_offline_request: RequestId,
     last_step: StepInfo,
+    structured_stats: StructuredStats,
     /// The step on the device whose tokens the next [`Engine::step`] reads back.
     in_flight: Option<InFlight>,
 }
@@ -394,6 +408,7 @@ impl<B: Backend> Engine<B> {
             next_seq: 0,
             next_offline_request: 1 << 63,
             last_step: StepInfo::default(),
+            structured_stats: StructuredStats::default(),
             in_flight: None,
         })
     }
@@ -458,6 +473,7 @@ impl<B: Backend> Engine<B> {
             kv_cache_usage: pool.usage(),
             free_blocks: pool.num_free(),
             total_blocks: pool.num_blocks(),
+            structured: self.structured_stats,
         }
     }
 
@@ -726,6 +742,11 @@ impl<B: Backend> Engine<B> {
         f.info.constrained_rows = rows.len();
         f.info.mask_time = start.elapsed();
         f.info.mask_time_total = total;
+        let st = &mut self.structured_stats;
+        st.masks += rows.len() as u64;
+        st.steps += 1;
+        st.mask_seconds += total.as_secs_f64();
+        st.step_seconds += f.info.mask_time.as_secs_f64();
     }
 
     /// Queues a scheduled step on the device; returns the time spent in the model runner.
@@ -747,10 +768,11 @@ impl<B: Backend> Engine<B> {
         // Constrained rows are masked and sampled on the host.
         let constrained = sampled.iter().any(|id| self.seqs[id].constraint.is_some());
         // Plain greedy rows need only their argmax, which the device sends back alone.
-        let greedy = !constrained && sampled.iter().all(|id| {
-            let seq = self.scheduler.get(*id).expect("sampled sequences run");
-            self.seqs[id].sampler.is_plain_greedy(seq.num_output())
-        });
+        let greedy = !constrained
+            && sampled.iter().all(|id| {
+                let seq = self.scheduler.get(*id).expect("sampled sequences run");
+                self.seqs[id].sampler.is_plain_greedy(seq.num_output())
+            });
         // Otherwise a device that samples picks the tokens unless a row wants logprobs,
         // which are computed from the logits on the host.
         let on_device = self.runner.backend.samples_on_device()

@@ -202,7 +202,9 @@ impl EngineHandle {
                 let grammars = self.inner.grammars.clone();
                 let compiled = tokio::task::spawn_blocking(move || grammars.compile(&spec))
                     .await
-                    .map_err(|e| SubmitError::Rejected(anyhow::anyhow!("constraint compilation failed: {e}")))?;
+                    .map_err(|e| {
+                        SubmitError::Rejected(anyhow::anyhow!("constraint compilation failed: {e}"))
+                    })?;
                 Some(compiled.map_err(SubmitError::Rejected)?)
             }
         };
@@ -290,12 +292,12 @@ fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
                 return;
             }
             let n = params.n;
-            let result = engine.add_compiled_request(id, prompt, *params, grammar).map_err(|e| {
-                match e.downcast::<QueueFull>() {
+            let result = engine
+                .add_compiled_request(id, prompt, *params, grammar)
+                .map_err(|e| match e.downcast::<QueueFull>() {
                     Ok(full) => SubmitError::AtCapacity(full),
                     Err(e) => SubmitError::Rejected(e),
-                }
-            });
+                });
             if result.is_ok() {
                 live.insert(
                     id,

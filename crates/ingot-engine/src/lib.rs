@@ -12,7 +12,7 @@ pub mod structured;
 pub use engine::default_max_num_seqs;
 pub use engine::{
     Completion, Engine, EngineConfig, EngineStats, QueueFull, RequestId, RequestOutput, SeqDelta,
-    StepInfo,
+    StepInfo, StructuredStats,
 };
 pub use engine_loop::{EngineHandle, Event, Events, Failure, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};

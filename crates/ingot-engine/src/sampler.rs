@@ -289,7 +289,10 @@ mod tests {
             ..Default::default()
         };
         let mut s = Sampler::new(params, &[], 0);
-        assert_eq!(s.sample(&mut l.clone(), &[], 0, None).unwrap().0, argmax(&l));
+        assert_eq!(
+            s.sample(&mut l.clone(), &[], 0, None).unwrap().0,
+            argmax(&l)
+        );
         let params = SamplingParams {
             temperature: 1.0,
             min_p: 1.0,
@@ -297,7 +300,10 @@ mod tests {
             ..Default::default()
         };
         let mut s = Sampler::new(params, &[], 0);
-        assert_eq!(s.sample(&mut l.clone(), &[], 0, None).unwrap().0, argmax(&l));
+        assert_eq!(
+            s.sample(&mut l.clone(), &[], 0, None).unwrap().0,
+            argmax(&l)
+        );
     }
 
     #[test]
@@ -307,7 +313,10 @@ mod tests {
         let mut bias = SamplingParams::greedy(4);
         bias.logit_bias = [(0, 100.0)].into();
         assert_eq!(
-            Sampler::new(bias, &[], 0).sample(&mut l.clone(), &[], 0, None).unwrap().0,
+            Sampler::new(bias, &[], 0)
+                .sample(&mut l.clone(), &[], 0, None)
+                .unwrap()
+                .0,
             0
         );
         let rep = SamplingParams {
@@ -316,7 +325,8 @@ mod tests {
         };
         assert_ne!(
             Sampler::new(rep, &[], 0)
-                .sample(&mut l.clone(), &[top], 1, None).unwrap()
+                .sample(&mut l.clone(), &[top], 1, None)
+                .unwrap()
                 .0,
             top
         );
@@ -330,7 +340,10 @@ mod tests {
         let second = argmax(&l2);
         l2[top as usize] = l[top as usize];
         // Penalised once as an output token, the top choice falls below the runner-up.
-        let got = Sampler::new(pres, &[], 0).sample(&mut l2, &[top, top], 2, None).unwrap().0;
+        let got = Sampler::new(pres, &[], 0)
+            .sample(&mut l2, &[top, top], 2, None)
+            .unwrap()
+            .0;
         assert!(got != top || l[top as usize] - 6.0 > l[second as usize]);
         let min = SamplingParams {
             min_tokens: 2,
@@ -351,7 +364,9 @@ mod tests {
             logprobs: Some(5),
             ..SamplingParams::greedy(4)
         };
-        let (tok, lp) = Sampler::new(params, &[], 0).sample(&mut logits(), &[], 0, None).unwrap();
+        let (tok, lp) = Sampler::new(params, &[], 0)
+            .sample(&mut logits(), &[], 0, None)
+            .unwrap();
         let lp = lp.unwrap();
         assert_eq!(lp.token, tok);
         assert_eq!(lp.top.len(), 5);
@@ -390,7 +405,10 @@ mod tests {
             let eos = [2];
             let mut host = Sampler::new(params.clone(), &eos, 0);
             let mut host_logits = logits.clone();
-            let host_token = host.sample(&mut host_logits, &tokens, num_output, None).unwrap().0;
+            let host_token = host
+                .sample(&mut host_logits, &tokens, num_output, None)
+                .unwrap()
+                .0;
             let mut device = Sampler::new(params.clone(), &eos, 0);
             let mut edits = vec![];
             let row = device.device_row(&tokens, num_output, &mut edits);

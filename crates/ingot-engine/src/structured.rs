@@ -40,7 +40,7 @@ pub struct Grammars {
 
 /// A compiled constraint, not yet started: each sequence of a request starts its own.
 #[derive(Clone)]
-pub struct Grammar(TokenParser);
+pub struct Grammar(Arc<TokenParser>);
 
 impl Grammars {
     /// `vocab_size` is the model's (its logits rows), which may exceed the tokenizer's.
@@ -104,7 +104,9 @@ impl Grammars {
                 }
                 TopLevelGrammar::from_json_schema(schema.clone())
             }
-            StructuredOutput::JsonObject => TopLevelGrammar::from_json_schema(json!({"type": "object"})),
+            StructuredOutput::JsonObject => {
+                TopLevelGrammar::from_json_schema(json!({"type": "object"}))
+            }
             StructuredOutput::Regex(rx) => TopLevelGrammar::from_regex(rx),
             StructuredOutput::Choice(choices) => {
                 let alternatives: Vec<String> = choices
@@ -119,7 +121,7 @@ impl Grammars {
             .factory()?
             .create_parser(top)
             .map_err(|e| invalid(format!("the constraint does not compile: {e}")))?;
-        Ok(Grammar(parser))
+        Ok(Grammar(Arc::new(parser)))
     }
 
     /// The grammar `params` ask for, if any.
@@ -139,7 +141,7 @@ pub struct Constraint {
 impl Constraint {
     pub fn new(grammar: &Grammar) -> Constraint {
         Constraint {
-            matcher: Matcher::new(Ok(grammar.0.clone())),
+            matcher: Matcher::new(Ok(TokenParser::clone(&grammar.0))),
             mask: None,
         }
     }

@@ -107,7 +107,11 @@ fn json_object_regex_choice_and_grammar_hold() {
         return;
     };
     let prompt = chat(&e, "Give me a JSON object describing the weather.");
-    let out = run(&mut e, prompt, constrained(StructuredOutput::JsonObject, 300));
+    let out = run(
+        &mut e,
+        prompt,
+        constrained(StructuredOutput::JsonObject, 300),
+    );
     let c = &out.completions[0];
     assert_eq!(c.finish_reason, Some(FinishReason::Stop), "{}", c.text);
     let v: Value = serde_json::from_str(&c.text).unwrap();
@@ -128,7 +132,10 @@ fn json_object_regex_choice_and_grammar_hold() {
     }));
 
     let choices = vec!["positive".to_string(), "negative".into(), "neutral".into()];
-    let prompt = chat(&e, "Is the sentiment of 'I love this' positive or negative?");
+    let prompt = chat(
+        &e,
+        "Is the sentiment of 'I love this' positive or negative?",
+    );
     for temperature in [0.0, 1.0] {
         let params = SamplingParams {
             temperature,
@@ -154,7 +161,11 @@ NUMBER: /[1-9][0-9]?/"#;
         .strip_prefix("The answer is ")
         .and_then(|r| r.strip_suffix('.'))
         .unwrap_or_else(|| panic!("{}", c.text));
-    assert!(n.parse::<u32>().is_ok_and(|n| (1..100).contains(&n)), "{}", c.text);
+    assert!(
+        n.parse::<u32>().is_ok_and(|n| (1..100).contains(&n)),
+        "{}",
+        c.text
+    );
 }
 
 #[test]
@@ -184,9 +195,15 @@ fn constraints_that_do_not_compile_name_their_field() {
             StructuredOutput::JsonSchema(json!({"type": "no-such-type"})),
             "response_format",
         ),
-        (StructuredOutput::JsonSchema(json!([1, 2])), "response_format"),
+        (
+            StructuredOutput::JsonSchema(json!([1, 2])),
+            "response_format",
+        ),
         (StructuredOutput::Regex("[0-9".into()), "structured_outputs"),
-        (StructuredOutput::Grammar("start: undefined_rule".into()), "structured_outputs"),
+        (
+            StructuredOutput::Grammar("start: undefined_rule".into()),
+            "structured_outputs",
+        ),
         (StructuredOutput::Choice(vec![]), "structured_outputs"),
     ];
     for (spec, field) in bad {

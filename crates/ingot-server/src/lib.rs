@@ -283,11 +283,13 @@ fn check_request_size(
     Ok(())
 }
 
-/// Submits every prompt or none: on a rejection the ones already queued are aborted.
+/// Submits every prompt or none: on a rejection the ones already queued are aborted. An
+/// error about the output constraint names `constraint_field`, where the request gave it.
 async fn submit(
     state: &AppState,
     prompts: Vec<Vec<u32>>,
     params: &SamplingParams,
+    constraint_field: Option<&'static str>,
 ) -> Result<Vec<Submitted>, ApiError> {
     let engine = state.engine()?;
     check_request_size(&state.config, params, prompts.len())?;
@@ -310,7 +312,12 @@ async fn submit(
             }
             Err(e) => {
                 ids.iter().for_each(|&id| engine.abort(id));
-                return Err(submit_error(e));
+                let mut err = submit_error(e);
+                let about_constraint = params.structured.as_ref().map(|s| s.field());
+                if err.param.is_some() && err.param.as_deref() == about_constraint {
+                    err.param = constraint_field.map(String::from);
+                }
+                return Err(err);
             }
         }
     }
@@ -661,7 +668,7 @@ async fn completions(
         echo,
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
     };
-    let subs = submit(&state, prompts, &params).await?;
+    let subs = submit(&state, prompts, &params, req.sampling.constraint_field()).await?;
     if req.stream.unwrap_or(false) {
         Ok(stream_job(state, job, subs).into_response())
     } else {
@@ -707,13 +714,6 @@ async fn chat_completions(
             "`{field}` is not supported: ingot has no tool calling yet"
         ))
         .with_param(field));
-    }
-    if let Some(f) = req.response_format.as_ref().filter(|f| f.kind != "text") {
-        return Err(ApiError::bad_request(format!(
-            "response_format `{}` is not supported (only `text`)",
-            f.kind
-        ))
-        .with_param("response_format"));
     }
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty").with_param("messages"));
@@ -761,7 +761,13 @@ async fn chat_completions(
         echo: vec![],
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
     };
-    let subs = submit(&state, vec![prompt], &params).await?;
+    let subs = submit(
+        &state,
+        vec![prompt],
+        &params,
+        req.sampling.constraint_field(),
+    )
+    .await?;
     if req.stream.unwrap_or(false) {
         Ok(stream_job(state, job, subs).into_response())
     } else {

@@ -246,6 +246,29 @@ impl Metrics {
             "Prompt tokens found in the prefix cache",
             s.prefix_cache_hits,
         );
+        counter(
+            "ingot:structured_output_masks",
+            "Token masks computed for structured output (one per constrained token)",
+            s.structured.masks,
+        );
+        counter(
+            "ingot:structured_output_mask_steps",
+            "Steps that computed structured-output token masks",
+            s.structured.steps,
+        );
+        let mut seconds = |name: &str, help: &str, v: f64| {
+            engine.register(name, help, ConstCounter::new(v));
+        };
+        seconds(
+            "ingot:structured_output_mask_seconds",
+            "Time spent computing structured-output token masks, summed over masks",
+            s.structured.mask_seconds,
+        );
+        seconds(
+            "ingot:structured_output_mask_step_seconds",
+            "Wall time of each step's structured-output masks (computed in parallel while the device runs the step), summed over steps",
+            s.structured.step_seconds,
+        );
         let mut out = String::with_capacity(16 << 10);
         // Writing into a String cannot fail.
         let _ = encode_registry(&mut out, &engine)

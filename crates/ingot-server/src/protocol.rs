@@ -1,8 +1,9 @@
 //! OpenAI request bodies with vLLM's extra sampling fields. Unknown fields are rejected
 //! by name; fields ingot knows but does not implement are rejected in `validate`.
 
-use ingot_core::SamplingParams;
+use ingot_core::{SamplingParams, StructuredOutput};
 use serde::Deserialize;
+use serde_json::Value;
 use std::collections::HashMap;
 
 use crate::error::ApiError;
@@ -50,6 +51,63 @@ pub struct Sampling {
     pub ignore_eos: Option<bool>,
     pub min_tokens: Option<usize>,
     pub skip_special_tokens: Option<bool>,
+    /// OpenAI's output format: `text`, `json_object` or `json_schema`.
+    pub response_format: Option<ResponseFormat>,
+    /// vLLM's constraints: one of `json`, `regex`, `choice`, `grammar`, `json_object`.
+    pub structured_outputs: Option<StructuredOutputs>,
+    /// vLLM's older names of the same constraints.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub schema: Option<Value>,
+    /// OpenAI's promise that the output follows the schema exactly; ingot always
+    /// enforces it.
+    pub strict: Option<bool>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    /// A JSON schema, as an object or as its JSON text.
+    pub json: Option<Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    /// A grammar in llguidance's Lark syntax.
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
+}
+
+/// A JSON schema given as an object, or as a string holding one.
+fn schema(value: &Value, field: &str) -> Result<Value, ApiError> {
+    let schema = match value {
+        Value::String(text) => serde_json::from_str(text).map_err(|e| {
+            ApiError::bad_request(format!("`{field}` is not valid JSON: {e}")).with_param(field)
+        })?,
+        v => v.clone(),
+    };
+    if !schema.is_object() && !schema.is_boolean() {
+        return Err(
+            ApiError::bad_request(format!("`{field}` must be a JSON schema object"))
+                .with_param(field),
+        );
+    }
+    Ok(schema)
 }
 
 #[derive(Deserialize, Debug)]
@@ -65,7 +123,8 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     /// An end-user id for the caller's own tracking; ingot does not use it.
     pub user: Option<String>,
-    #[serde(flatten)]
+    /// Read from the same body by [`parse`].
+    #[serde(skip)]
     pub sampling: Sampling,
 }
 
@@ -92,13 +151,6 @@ pub struct ChatMessage {
 }
 
 #[derive(Deserialize, Debug)]
-#[serde(deny_unknown_fields)]
-pub struct ResponseFormat {
-    #[serde(rename = "type")]
-    pub kind: String,
-}
-
-#[derive(Deserialize, Debug)]
 pub struct ChatRequest {
     pub model: Option<String>,
     pub messages: Vec<ChatMessage>,
@@ -108,15 +160,100 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<usize>,
-    pub response_format: Option<ResponseFormat>,
     pub tools: Option<serde_json::Value>,
     pub tool_choice: Option<serde_json::Value>,
     pub user: Option<String>,
-    #[serde(flatten)]
+    /// Read from the same body by [`parse`].
+    #[serde(skip)]
     pub sampling: Sampling,
 }
 
 impl Sampling {
+    /// The request field the output constraint came from, for errors about it.
+    pub fn constraint_field(&self) -> Option<&'static str> {
+        let response_format = self
+            .response_format
+            .as_ref()
+            .is_some_and(|f| f.kind != "text");
+        [
+            (response_format, "response_format"),
+            (self.structured_outputs.is_some(), "structured_outputs"),
+            (self.guided_json.is_some(), "guided_json"),
+            (self.guided_regex.is_some(), "guided_regex"),
+            (self.guided_choice.is_some(), "guided_choice"),
+            (self.guided_grammar.is_some(), "guided_grammar"),
+        ]
+        .into_iter()
+        .find_map(|(given, field)| given.then_some(field))
+    }
+
+    /// The output constraint the request asks for, in any of its spellings; at most one.
+    pub fn structured(&self) -> Result<Option<StructuredOutput>, ApiError> {
+        let mut found: Vec<(&str, StructuredOutput)> = vec![];
+        if let Some(f) = &self.response_format {
+            match f.kind.as_str() {
+                "text" => {}
+                "json_object" => found.push(("response_format", StructuredOutput::JsonObject)),
+                "json_schema" => {
+                    let s = f.json_schema.as_ref().and_then(|j| j.schema.as_ref()).ok_or_else(|| {
+                        ApiError::bad_request("response_format `json_schema` needs `json_schema.schema`")
+                            .with_param("response_format")
+                    })?;
+                    let s = schema(s, "response_format")?;
+                    found.push(("response_format", StructuredOutput::JsonSchema(s)));
+                }
+                other => {
+                    return Err(ApiError::bad_request(format!(
+                        "response_format `{other}` is not supported (`text`, `json_object` or `json_schema`)"
+                    ))
+                    .with_param("response_format"))
+                }
+            }
+        }
+        if let Some(so) = &self.structured_outputs {
+            let f = "structured_outputs";
+            if let Some(j) = &so.json {
+                found.push((f, StructuredOutput::JsonSchema(schema(j, f)?)));
+            }
+            if let Some(r) = &so.regex {
+                found.push((f, StructuredOutput::Regex(r.clone())));
+            }
+            if let Some(c) = &so.choice {
+                found.push((f, StructuredOutput::Choice(c.clone())));
+            }
+            if let Some(g) = &so.grammar {
+                found.push((f, StructuredOutput::Grammar(g.clone())));
+            }
+            if so.json_object == Some(true) {
+                found.push((f, StructuredOutput::JsonObject));
+            }
+        }
+        if let Some(j) = &self.guided_json {
+            found.push((
+                "guided_json",
+                StructuredOutput::JsonSchema(schema(j, "guided_json")?),
+            ));
+        }
+        if let Some(r) = &self.guided_regex {
+            found.push(("guided_regex", StructuredOutput::Regex(r.clone())));
+        }
+        if let Some(c) = &self.guided_choice {
+            found.push(("guided_choice", StructuredOutput::Choice(c.clone())));
+        }
+        if let Some(g) = &self.guided_grammar {
+            found.push(("guided_grammar", StructuredOutput::Grammar(g.clone())));
+        }
+        if found.len() > 1 {
+            let names: Vec<&str> = found.iter().map(|(f, _)| *f).collect();
+            return Err(ApiError::bad_request(format!(
+                "a request takes one output constraint, got several: {}",
+                names.join(", ")
+            ))
+            .with_param(found[1].0));
+        }
+        Ok(found.pop().map(|(_, s)| s))
+    }
+
     /// Engine parameters; `max_tokens` is filled in by the caller.
     pub fn to_params(&self, logprobs: Option<usize>) -> Result<SamplingParams, ApiError> {
         let d = SamplingParams::default();
@@ -149,6 +286,7 @@ impl Sampling {
             min_tokens: self.min_tokens.unwrap_or(0),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             logprobs,
+            structured: self.structured()?,
             ..d
         })
     }
@@ -170,6 +308,12 @@ const SAMPLING_FIELDS: &[&str] = &[
     "ignore_eos",
     "min_tokens",
     "skip_special_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 ];
 pub const COMPLETION_FIELDS: &[&str] = &[
     "model",
@@ -192,7 +336,6 @@ pub const CHAT_FIELDS: &[&str] = &[
     "stream_options",
     "logprobs",
     "top_logprobs",
-    "response_format",
     "tools",
     "tool_choice",
     "user",
@@ -204,9 +347,44 @@ pub fn parse_json(body: &[u8]) -> Result<serde_json::Value, ApiError> {
         .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))
 }
 
+/// A request type that carries the shared sampling fields of its body.
+pub trait WithSampling: for<'de> Deserialize<'de> {
+    fn sampling_mut(&mut self) -> &mut Sampling;
+}
+
+impl WithSampling for CompletionRequest {
+    fn sampling_mut(&mut self) -> &mut Sampling {
+        &mut self.sampling
+    }
+}
+
+impl WithSampling for ChatRequest {
+    fn sampling_mut(&mut self) -> &mut Sampling {
+        &mut self.sampling
+    }
+}
+
+/// Deserializes `value`; an error is a 400 naming the offending value by its path
+/// (`response_format.json_schema.schema`), as OpenAI names nested params.
+fn from_value<T: for<'de> Deserialize<'de>>(value: &serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.inner().to_string();
+        let param = if path != "." {
+            Some(path)
+        } else {
+            msg.split('`').nth(1).map(String::from)
+        };
+        let mut err = ApiError::bad_request(format!("invalid request body: {msg}"));
+        err.param = param;
+        err
+    })
+}
+
 /// Parses a JSON object body whose fields must be in `fields` or the sampling fields;
-/// errors are 400s that name the field.
-pub fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], fields: &[&str]) -> Result<T, ApiError> {
+/// errors are 400s that name the field. The sampling fields are read on their own (not
+/// flattened into `T`) so that errors inside them keep their path.
+pub fn parse<T: WithSampling>(body: &[u8], fields: &[&str]) -> Result<T, ApiError> {
     let value = parse_json(body)?;
     let obj = value
         .as_object()
@@ -220,11 +398,7 @@ pub fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], fields: &[&str]) -> Resu
         ))
         .with_param(k));
     }
-    serde_json::from_value(value).map_err(|e| {
-        let msg = e.to_string();
-        let param = msg.split('`').nth(1).map(String::from);
-        let mut err = ApiError::bad_request(format!("invalid request body: {msg}"));
-        err.param = param;
-        err
-    })
+    let mut req: T = from_value(&value)?;
+    *req.sampling_mut() = from_value(&value)?;
+    Ok(req)
 }

@@ -10,7 +10,9 @@ use clap::{Parser, Subcommand};
 
 // A long-running server allocates from many threads; glibc's per-thread arenas let its
 // resident memory creep up under mixed traffic (bench/soak.py measured +6.69 % in ten
-// minutes after warm-up), where mimalloc returns freed pages (+0.70 %).
+// minutes after warm-up), where mimalloc returns freed pages. mimalloc's v2 line: its v3
+// line (the crate's default) committed ever more memory that nothing held, +1.77 % in
+// twelve minutes of the soak where v2 stayed at +0.06 % (docs/benchmarks.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

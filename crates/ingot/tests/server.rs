@@ -271,7 +271,7 @@ async fn endpoints_streaming_and_errors() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}}),
+            json!({"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "xml"}}),
             400,
             "response_format",
         ),

@@ -61,6 +61,42 @@ pub struct ServeArgs {
     save_result: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
+    /// Every request asks for JSON valid under the JSON schema in this file (OpenAI's
+    /// `response_format`). Requests end where the schema's JSON is complete.
+    #[arg(long, conflicts_with = "structured")]
+    json_schema: Option<PathBuf>,
+    /// Every request carries this constraint as vLLM's `structured_outputs`:
+    /// `regex:RX`, `choice:A|B|…`, `grammar:FILE` (Lark) or `json_object`.
+    #[arg(long)]
+    structured: Option<String>,
+}
+
+/// The fields `--json-schema` or `--structured` add to every request body.
+fn constraint(args: &ServeArgs) -> Result<Option<(&'static str, Value)>> {
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+    };
+    if let Some(path) = &args.json_schema {
+        let schema: Value = serde_json::from_str(&read(path)?)
+            .with_context(|| format!("{} is not JSON", path.display()))?;
+        let format =
+            json!({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}});
+        return Ok(Some(("response_format", format)));
+    }
+    let Some(spec) = &args.structured else {
+        return Ok(None);
+    };
+    let (kind, value) = spec.split_once(':').unwrap_or((spec.as_str(), ""));
+    let so = match kind {
+        "regex" => json!({"regex": value}),
+        "choice" => json!({"choice": value.split('|').collect::<Vec<_>>()}),
+        "grammar" => json!({"grammar": read(std::path::Path::new(value))?}),
+        "json_object" => json!({"json_object": true}),
+        _ => bail!(
+            "--structured takes regex:RX, choice:A|B|…, grammar:FILE or json_object, got `{spec}`"
+        ),
+    };
+    Ok(Some(("structured_outputs", so)))
 }
 
 /// One request to send.
@@ -263,11 +299,19 @@ async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -
     };
     let progress = super::progress(requests.len(), "requests", args.format);
     let chat = args.endpoint.contains("chat");
+    let constraint = constraint(&args)?;
     let bodies = requests
         .iter()
-        .map(|r| request_body(&model, &r.prompt, r.max_tokens, args.temperature, chat))
+        .map(|r| {
+            let mut body = request_body(&model, &r.prompt, r.max_tokens, args.temperature, chat);
+            if let Some((key, value)) = &constraint {
+                body[*key] = value.clone();
+            }
+            body
+        })
         .collect();
     let url = format!("{base}{}", args.endpoint);
+    let masks_before = mask_counters(&client, &base).await;
     let start = Instant::now();
     let outcomes = load(
         &client,
@@ -281,7 +325,11 @@ async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -
     .await?;
     let duration = start.elapsed().as_secs_f64();
     progress.finish_and_clear();
-    let report = report(&args, &model, &outcomes, duration);
+    let mut report = report(&args, &model, &outcomes, duration);
+    report["constraint"] = json!(constraint.map(|(k, v)| json!({k: v})));
+    if let (Some(a), Some(b)) = (masks_before, mask_counters(&client, &base).await) {
+        report["structured_output"] = mask_report(&a, &b);
+    }
     if let Some(path) = &args.save_result {
         let mut saved = report.clone();
         saved["requests"] = outcomes
@@ -409,6 +457,47 @@ fn event_end(buf: &[u8]) -> Option<usize> {
     }
 }
 
+/// ingot's structured-output counters from `/metrics`, where the server has them.
+async fn mask_counters(client: &reqwest::Client, base: &str) -> Option<[f64; 4]> {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+    };
+    Some([
+        value("ingot:structured_output_masks_total")?,
+        value("ingot:structured_output_mask_steps_total")?,
+        value("ingot:structured_output_mask_seconds_total")?,
+        value("ingot:structured_output_mask_step_seconds_total")?,
+    ])
+}
+
+/// The masks a run computed and their time per token and per step, from the counters
+/// before and after it.
+fn mask_report(before: &[f64; 4], after: &[f64; 4]) -> Value {
+    let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    let per = |t: f64, n: f64| {
+        if n > 0.0 {
+            json!(t / n * 1e6)
+        } else {
+            Value::Null
+        }
+    };
+    json!({
+        "masks": d[0],
+        "steps": d[1],
+        "mask_us_per_token": per(d[2], d[0]),
+        "mask_us_per_step": per(d[3], d[1]),
+    })
+}
+
 /// Mean, median, p90 and p99 in ms; null when nothing was measured.
 pub(crate) fn stats(values: &[f64]) -> Value {
     if values.is_empty() {
@@ -502,6 +591,20 @@ fn print_report(r: &Value) {
             g("median"),
             g("p90"),
             g("p99")
+        );
+    }
+    if !r["constraint"].is_null() {
+        println!("  constraint: {}", r["constraint"]);
+    }
+    let so = &r["structured_output"];
+    if !so.is_null() {
+        let g = |k: &str| so[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "  structured output: {} masks in {} steps, {:.1} µs per mask, {:.1} µs per step",
+            g("masks"),
+            g("steps"),
+            g("mask_us_per_token"),
+            g("mask_us_per_step")
         );
     }
 }
