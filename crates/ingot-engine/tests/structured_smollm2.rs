@@ -28,10 +28,7 @@ fn engine(dtype: WeightDType) -> Option<Engine<CpuBackend>> {
 fn chat(e: &Engine<CpuBackend>, question: &str) -> Vec<u32> {
     let tok = e.tokenizer();
     let text = tok
-        .apply_chat_template(&[Message {
-            role: "user".into(),
-            content: question.into(),
-        }])
+        .apply_chat_template(&[Message::new("user", question)], None)
         .unwrap();
     tok.encode(&text, false).unwrap()
 }

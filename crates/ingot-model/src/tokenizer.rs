@@ -101,14 +101,20 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
-    /// Renders one user message through the chat template with the generation prompt.
-    pub fn apply_chat_template(&self, messages: &[crate::chat::Message]) -> Result<String> {
+    /// Renders messages (and tools, where given) through the chat template with the
+    /// generation prompt.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[crate::chat::Message],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String> {
         let t = self
             .chat_template
             .as_ref()
             .context("this model has no chat template")?;
         t.render(
             messages,
+            tools,
             true,
             self.bos_token.as_deref(),
             self.eos_token.as_deref(),

@@ -45,7 +45,7 @@ fn chat_template_matches_transformers() {
     for c in cases["cases"].as_array().unwrap() {
         let messages: Vec<Message> = serde_json::from_value(c["messages"].clone()).unwrap();
         assert_eq!(
-            tok.apply_chat_template(&messages).unwrap(),
+            tok.apply_chat_template(&messages, None).unwrap(),
             c["rendered"].as_str().unwrap()
         );
     }

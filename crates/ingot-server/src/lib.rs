@@ -6,10 +6,12 @@ mod chat_page;
 pub mod error;
 pub mod metrics;
 pub mod protocol;
+pub mod tools;
 
 use crate::error::ApiError;
 use crate::metrics::{Metrics, SequenceEnd};
 use crate::protocol::{ChatRequest, CompletionRequest, Content, Prompt};
+use crate::tools::{ToolMode, ToolParser};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -37,6 +39,9 @@ pub struct ServerConfig {
     pub max_prompts_per_request: usize,
     /// Request bodies larger than this are refused with 413.
     pub max_body_bytes: usize,
+    /// How the model writes tool calls, where `tool_choice` `auto` is on
+    /// (`--enable-auto-tool-choice`).
+    pub tool_parser: Option<ToolParser>,
 }
 
 pub struct AppState {
@@ -430,6 +435,8 @@ struct Job {
     /// Completions with `echo`: the prompt text comes first.
     echo: Vec<String>,
     include_usage: bool,
+    /// How a chat answer becomes tool calls.
+    tools: ToolMode,
 }
 
 fn token_text(state: &AppState, id: u32) -> String {
@@ -503,12 +510,15 @@ async fn collect(
                     let text = format!("{}{text}", job.echo.get(sub.prompt_index).map_or("", String::as_str));
                     json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
                 }
-                Kind::Chat => json!({
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }),
+                Kind::Chat => {
+                    let (message, finish) = chat_message(&job.tools, text, finish);
+                    json!({
+                        "index": index,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    })
+                }
             });
         }
     }
@@ -520,6 +530,35 @@ async fn collect(
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
     })))
+}
+
+/// A chat answer as OpenAI's message, its tool calls parsed out, and its finish reason
+/// (`tool_calls` where the model chose to call; a length cut stays `length`).
+fn chat_message<'a>(
+    mode: &ToolMode,
+    text: String,
+    finish: Option<&'a str>,
+) -> (Value, Option<&'a str>) {
+    if *mode == ToolMode::Text || finish == Some("length") {
+        return (json!({"role": "assistant", "content": text}), finish);
+    }
+    let (content, calls) = tools::parse(mode, &text);
+    let calls: Vec<Value> = calls
+        .into_iter()
+        .map(|c| {
+            json!({"id": tools::call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+        })
+        .collect();
+    // OpenAI ends a named choice with `stop`, and a call the model chose with `tool_calls`.
+    let finish = match (mode, calls.is_empty()) {
+        (ToolMode::Named(_), _) | (_, true) => finish,
+        _ => Some("tool_calls"),
+    };
+    let mut message = json!({"role": "assistant", "content": content});
+    if !calls.is_empty() {
+        message["tool_calls"] = Value::from(calls);
+    }
+    (message, finish)
 }
 
 /// One streamed chunk for one sample's delta.
@@ -560,29 +599,79 @@ struct Streaming {
     sub: Submitted,
     /// Samples whose first chunk went out.
     started: Vec<bool>,
+    /// Per sample: the text held back to be parsed for tool calls once it ends.
+    held: Vec<String>,
+    /// Per sample: the id of its call, where `tool_choice` names a function.
+    call_ids: Vec<String>,
     completion_tokens: Arc<AtomicU64>,
 }
 
-async fn next_chunk(mut s: Streaming) -> Option<(Value, Streaming)> {
+/// The next chunk to send, if any (text held back for tool-call parsing sends none).
+async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Streaming)> {
     match s.sub.events.recv().await {
         Some(Ok(d)) => {
             s.sub.timing.token(&d);
             s.completion_tokens
                 .fetch_add(d.token_ids.len() as u64, Ordering::Relaxed);
             let first = !std::mem::replace(&mut s.started[d.index], true);
-            let v = chunk(&s.state, &s.job, s.sub.prompt_index, &d, first);
+            let index = s.sub.prompt_index * s.job.n + d.index;
+            let v = match &s.job.tools {
+                ToolMode::Named(name) => Some(named_call_chunk(&s, &d, name, first)),
+                ToolMode::Required | ToolMode::Auto(_) => {
+                    s.held[d.index].push_str(&d.text);
+                    d.finish_reason.map(|f| {
+                        let text = std::mem::take(&mut s.held[d.index]);
+                        let (mut message, finish) = chat_message(&s.job.tools, text, Some(f.as_str()));
+                        if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                            for (i, c) in calls.iter_mut().enumerate() {
+                                c["index"] = json!(i);
+                            }
+                        }
+                        let job = &s.job;
+                        json!({
+                            "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
+                            "choices": [{"index": index, "delta": message, "logprobs": logprobs_json(&s.state, job.kind, &d.logprobs), "finish_reason": finish}],
+                        })
+                    })
+                }
+                ToolMode::Text => Some(chunk(&s.state, &s.job, s.sub.prompt_index, &d, first)),
+            };
             Some((v, s))
         }
         Some(Err(f)) => {
             let e = failure_error(f);
             let v = json!({"error": {"message": e.message, "type": e.kind(), "param": null, "code": e.status.as_u16()}});
-            Some((v, s))
+            Some((Some(v), s))
         }
         None => {
             s.sub.timing.finish(&s.job.id);
             None
         }
     }
+}
+
+/// A streamed delta of a named function's arguments: the call's id and name come with the
+/// first, argument text with each.
+fn named_call_chunk(s: &Streaming, d: &SeqDelta, name: &str, first: bool) -> Value {
+    let job = &s.job;
+    let call = if first {
+        json!({"index": 0, "id": s.call_ids[d.index], "type": "function", "function": {"name": name, "arguments": d.text}})
+    } else {
+        json!({"index": 0, "function": {"arguments": d.text}})
+    };
+    let mut delta = json!({"tool_calls": [call]});
+    if first {
+        delta["role"] = json!("assistant");
+    }
+    json!({
+        "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
+        "choices": [{
+            "index": s.sub.prompt_index * job.n + d.index,
+            "delta": delta,
+            "logprobs": logprobs_json(&s.state, job.kind, &d.logprobs),
+            "finish_reason": d.finish_reason.map(FinishReason::as_str),
+        }],
+    })
 }
 
 /// Streams a job as server-sent events ending in `data: [DONE]`. Dropping the stream (a
@@ -601,11 +690,15 @@ fn stream_job(
             job: job.clone(),
             sub,
             started: vec![false; job.n],
+            held: vec![String::new(); job.n],
+            call_ids: (0..job.n).map(|_| tools::call_id()).collect(),
             completion_tokens: completion_tokens.clone(),
         };
         stream::unfold(s, next_chunk).boxed()
     });
-    let body = stream::select_all(per_prompt).map(|v| Ok(SseEvent::default().data(v.to_string())));
+    let body = stream::select_all(per_prompt)
+        .filter_map(|v| async move { v })
+        .map(|v| Ok(SseEvent::default().data(v.to_string())));
     let tail = stream::once(async move {
         let mut events = vec![];
         if job.include_usage {
@@ -667,6 +760,7 @@ async fn completions(
         n: params.n,
         echo,
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        tools: ToolMode::Text,
     };
     let subs = submit(&state, prompts, &params, req.sampling.constraint_field()).await?;
     if req.stream.unwrap_or(false) {
@@ -704,37 +798,61 @@ async fn chat_completions(
     let req: ChatRequest = protocol::parse(&body, protocol::CHAT_FIELDS)?;
     check_model(&state, &req.model)?;
     let engine = state.engine()?;
-    if req.tools.is_some() || req.tool_choice.is_some() {
-        let field = if req.tools.is_some() {
-            "tools"
-        } else {
-            "tool_choice"
-        };
-        return Err(ApiError::bad_request(format!(
-            "`{field}` is not supported: ingot has no tool calling yet"
-        ))
-        .with_param(field));
-    }
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty").with_param("messages"));
     }
+    let tools = req.tools.as_deref().unwrap_or_default();
+    let tool_mode = tools::mode(tools, req.tool_choice.as_ref(), state.config.tool_parser)?;
     let mut messages = vec![];
     for m in &req.messages {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
             return Err(ApiError::bad_request(format!(
                 "message role `{}` is not supported",
                 m.role
             ))
             .with_param("messages"));
         }
-        messages.push(Message {
-            role: m.role.clone(),
-            content: message_text(&m.content)?,
-        });
+        let mut msg = Message::new(m.role.clone(), message_text(&m.content)?);
+        msg.name = m.name.clone();
+        msg.tool_call_id = m.tool_call_id.clone();
+        if let Some(calls) = &m.tool_calls {
+            // Templates read a call's arguments as an object, as transformers gives them.
+            msg.tool_calls = Some(
+                calls
+                    .iter()
+                    .map(|c| {
+                        let args = serde_json::from_str::<Value>(&c.function.arguments)
+                            .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+                        json!({
+                            "id": c.id,
+                            "type": c.kind.as_deref().unwrap_or("function"),
+                            "function": {"name": c.function.name, "arguments": args},
+                        })
+                    })
+                    .collect(),
+            );
+        }
+        messages.push(msg);
     }
     let tok = engine.tokenizer();
+    let native_tools = tok
+        .chat_template
+        .as_ref()
+        .is_some_and(|t| t.supports_tools());
+    let template_tools = match (tools.is_empty(), native_tools) {
+        (true, _) => None,
+        (false, true) => Some(tools::template_tools(tools)),
+        (false, false) => {
+            let parser = match tool_mode {
+                ToolMode::Auto(p) => p,
+                _ => ToolParser::Hermes,
+            };
+            tools::fallback(&mut messages, tools, parser);
+            None
+        }
+    };
     let rendered = tok
-        .apply_chat_template(&messages)
+        .apply_chat_template(&messages, template_tools.as_ref())
         .map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
     let prompt = tok
         .encode(&rendered, false)
@@ -749,6 +867,26 @@ async fn chat_completions(
         None
     };
     let mut params = req.sampling.to_params(top)?;
+    let mut constraint_field = req.sampling.constraint_field();
+    if let Some(c) = tools::constraint(tools, &tool_mode, req.parallel_tool_calls.unwrap_or(true)) {
+        if let Some(f) = constraint_field {
+            return Err(ApiError::bad_request(format!(
+                "`tool_choice` {} and `{f}` both constrain the answer; give one",
+                if matches!(tool_mode, ToolMode::Required) {
+                    "required"
+                } else {
+                    "naming a function"
+                }
+            ))
+            .with_param("tool_choice"));
+        }
+        params.structured = Some(c);
+        constraint_field = Some("tools");
+    }
+    if let ToolMode::Auto(ToolParser::Mistral) = tool_mode {
+        // Mistral's call marker is a special token.
+        params.skip_special_tokens = false;
+    }
     params.max_tokens = req
         .max_completion_tokens
         .or(req.max_tokens)
@@ -760,14 +898,9 @@ async fn chat_completions(
         n: params.n,
         echo: vec![],
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        tools: tool_mode,
     };
-    let subs = submit(
-        &state,
-        vec![prompt],
-        &params,
-        req.sampling.constraint_field(),
-    )
-    .await?;
+    let subs = submit(&state, vec![prompt], &params, constraint_field).await?;
     if req.stream.unwrap_or(false) {
         Ok(stream_job(state, job, subs).into_response())
     } else {

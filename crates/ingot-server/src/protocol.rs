@@ -2,7 +2,7 @@
 //! by name; fields ingot knows but does not implement are rejected in `validate`.
 
 use ingot_core::{SamplingParams, StructuredOutput};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -148,6 +148,67 @@ pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
     pub name: Option<String>,
+    /// An assistant message's calls.
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ToolCall {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub function: CalledFunction,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct CalledFunction {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct Tool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDef,
+}
+
+#[derive(Deserialize, Serialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionDef {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// `none`, `auto`, `required`, or `{"type": "function", "function": {"name"}}`.
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Named(NamedToolChoice),
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct NamedToolChoice {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: NamedFunction,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct NamedFunction {
+    pub name: String,
 }
 
 #[derive(Deserialize, Debug)]
@@ -160,8 +221,9 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<usize>,
-    pub tools: Option<serde_json::Value>,
-    pub tool_choice: Option<serde_json::Value>,
+    pub tools: Option<Vec<Tool>>,
+    pub tool_choice: Option<ToolChoice>,
+    pub parallel_tool_calls: Option<bool>,
     pub user: Option<String>,
     /// Read from the same body by [`parse`].
     #[serde(skip)]
@@ -338,6 +400,7 @@ pub const CHAT_FIELDS: &[&str] = &[
     "top_logprobs",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "user",
 ];
 

@@ -151,10 +151,8 @@ fn generate<B: Backend>(args: Args, backend: B) -> Result<()> {
         .map(|text| {
             if args.chat {
                 // A chat template already carries its special tokens.
-                let rendered = tokenizer.apply_chat_template(&[Message {
-                    role: "user".into(),
-                    content: text,
-                }])?;
+                let rendered =
+                    tokenizer.apply_chat_template(&[Message::new("user", text)], None)?;
                 tokenizer.encode(&rendered, false)
             } else {
                 tokenizer.encode(&text, true)

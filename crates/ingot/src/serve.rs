@@ -36,6 +36,13 @@ pub struct Args {
     /// Most prompts in one completions request.
     #[arg(long, default_value_t = 256)]
     max_prompts_per_request: usize,
+    /// Let the model decide to call tools (`tool_choice` `auto`, the default when a
+    /// request has tools); its calls are parsed with --tool-call-parser.
+    #[arg(long, requires = "tool_call_parser")]
+    enable_auto_tool_choice: bool,
+    /// How the model writes tool calls: hermes, qwen3, llama3_json or mistral.
+    #[arg(long)]
+    tool_call_parser: Option<ingot_server::tools::ToolParser>,
     /// Seconds in-flight requests get to finish after a shutdown signal.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
@@ -94,12 +101,16 @@ async fn serve(args: Args) -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned());
         stem.unwrap_or_else(|| "model".into())
     });
+    let tool_parser = args
+        .tool_call_parser
+        .filter(|_| args.enable_auto_tool_choice);
     let state = AppState::new(ServerConfig {
         served_model_name: name.clone(),
         api_key: args.api_key.clone(),
         max_n: args.max_n,
         max_prompts_per_request: args.max_prompts_per_request,
         max_body_bytes: 8 << 20,
+        tool_parser,
     });
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
