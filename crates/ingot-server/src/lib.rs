@@ -11,7 +11,7 @@ pub mod tools;
 use crate::error::ApiError;
 use crate::metrics::{Metrics, SequenceEnd};
 use crate::protocol::{ChatRequest, CompletionRequest, Content, Prompt};
-use crate::tools::{ToolMode, ToolParser};
+use crate::tools::{AutoStream, ToolMode, ToolParser};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -599,8 +599,9 @@ struct Streaming {
     sub: Submitted,
     /// Samples whose first chunk went out.
     started: Vec<bool>,
-    /// Per sample: the text held back to be parsed for tool calls once it ends.
-    held: Vec<String>,
+    /// Per sample: the text held back to be parsed for tool calls (all of it for
+    /// `required`, from a possible call on for `auto`).
+    held: Vec<AutoStream>,
     /// Per sample: the id of its call, where `tool_choice` names a function.
     call_ids: Vec<String>,
     completion_tokens: Arc<AtomicU64>,
@@ -613,28 +614,17 @@ async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Streaming)> {
             s.sub.timing.token(&d);
             s.completion_tokens
                 .fetch_add(d.token_ids.len() as u64, Ordering::Relaxed);
-            let first = !std::mem::replace(&mut s.started[d.index], true);
             let index = s.sub.prompt_index * s.job.n + d.index;
             let v = match &s.job.tools {
-                ToolMode::Named(name) => Some(named_call_chunk(&s, &d, name, first)),
-                ToolMode::Required | ToolMode::Auto(_) => {
-                    s.held[d.index].push_str(&d.text);
-                    d.finish_reason.map(|f| {
-                        let text = std::mem::take(&mut s.held[d.index]);
-                        let (mut message, finish) = chat_message(&s.job.tools, text, Some(f.as_str()));
-                        if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
-                            for (i, c) in calls.iter_mut().enumerate() {
-                                c["index"] = json!(i);
-                            }
-                        }
-                        let job = &s.job;
-                        json!({
-                            "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
-                            "choices": [{"index": index, "delta": message, "logprobs": logprobs_json(&s.state, job.kind, &d.logprobs), "finish_reason": finish}],
-                        })
-                    })
+                ToolMode::Named(name) => {
+                    let first = !std::mem::replace(&mut s.started[d.index], true);
+                    Some(named_call_chunk(&s, &d, name, first))
                 }
-                ToolMode::Text => Some(chunk(&s.state, &s.job, s.sub.prompt_index, &d, first)),
+                ToolMode::Required | ToolMode::Auto(_) => held_chunk(&mut s, &d, index),
+                ToolMode::Text => {
+                    let first = !std::mem::replace(&mut s.started[d.index], true);
+                    Some(chunk(&s.state, &s.job, s.sub.prompt_index, &d, first))
+                }
             };
             Some((v, s))
         }
@@ -648,6 +638,53 @@ async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Streaming)> {
             None
         }
     }
+}
+
+/// A streamed delta of an answer parsed for tool calls: `auto` text goes out as content
+/// until a call could begin; the calls go out, whole and with their ids, when it ends.
+fn held_chunk(s: &mut Streaming, d: &SeqDelta, index: usize) -> Option<Value> {
+    let held = &mut s.held[d.index];
+    let (mut content, calls) = match s.job.tools {
+        ToolMode::Auto(parser) => {
+            let sent = held.push(parser, &d.text);
+            match d.finish_reason {
+                Some(_) => {
+                    let (rest, calls) = held.finish(parser);
+                    (Some(sent + rest.as_deref().unwrap_or("")), calls)
+                }
+                None => (Some(sent), vec![]),
+            }
+        }
+        _ => {
+            held.hold(&d.text);
+            match d.finish_reason {
+                Some(_) => held.finish_required(),
+                None => (None, vec![]),
+            }
+        }
+    };
+    content = content.filter(|c| !c.is_empty());
+    if content.is_none() && d.finish_reason.is_none() {
+        return None;
+    }
+    let mut finish = d.finish_reason.map(FinishReason::as_str);
+    let mut delta = json!({"content": content});
+    if !calls.is_empty() && finish != Some("length") {
+        finish = Some("tool_calls");
+        delta["tool_calls"] = calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| json!({"index": i, "id": tools::call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect();
+    }
+    if !std::mem::replace(&mut s.started[d.index], true) {
+        delta["role"] = json!("assistant");
+    }
+    let job = &s.job;
+    Some(json!({
+        "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs_json(&s.state, job.kind, &d.logprobs), "finish_reason": finish}],
+    }))
 }
 
 /// A streamed delta of a named function's arguments: the call's id and name come with the
@@ -690,7 +727,7 @@ fn stream_job(
             job: job.clone(),
             sub,
             started: vec![false; job.n],
-            held: vec![String::new(); job.n],
+            held: (0..job.n).map(|_| AutoStream::default()).collect(),
             call_ids: (0..job.n).map(|_| tools::call_id()).collect(),
             completion_tokens: completion_tokens.clone(),
         };
