@@ -265,9 +265,9 @@ async fn endpoints_streaming_and_errors() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "w1"}], "tools": []}),
+            json!({"messages": [{"role": "user", "content": "w1"}], "tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
             400,
-            "tools",
+            "not in `tools`",
         ),
         (
             "/v1/chat/completions",
