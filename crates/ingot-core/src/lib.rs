@@ -8,6 +8,6 @@ pub mod scheduler;
 pub mod sequence;
 
 pub use block_pool::{BlockId, BlockPool, PrefixCacheStats};
-pub use sampling::{InvalidParam, SamplingParams, StructuredOutput};
+pub use sampling::{InvalidParam, ReasoningMarkers, SamplingParams, StructuredOutput};
 pub use scheduler::{AdmissionError, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput};
 pub use sequence::{FinishReason, SeqId, Sequence};

@@ -38,6 +38,19 @@ pub struct SamplingParams {
     /// A constraint every generated token must keep satisfiable (JSON schema, regex,
     /// choice or grammar); the engine masks what it forbids.
     pub structured: Option<StructuredOutput>,
+    /// The model reasons between these markers first: `structured` applies only once the
+    /// reasoning has ended.
+    pub reasoning: Option<ReasoningMarkers>,
+}
+
+/// A reasoning section's markers, as text (`<think>`, `</think>`). The section is over once
+/// the output has the end marker, or from the start where the prompt's last end marker
+/// comes after its last start marker (a template that closed it, as Qwen3's with thinking
+/// off).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReasoningMarkers {
+    pub start: String,
+    pub end: String,
 }
 
 /// What the output must match, as a request states it; compiled by the engine.
@@ -87,6 +100,7 @@ impl Default for SamplingParams {
             n: 1,
             skip_special_tokens: true,
             structured: None,
+            reasoning: None,
         }
     }
 }

@@ -559,7 +559,7 @@ impl<B: Backend> Engine<B> {
                 request_id,
                 index,
                 sampler,
-                constraint: grammar.map(Constraint::new),
+                constraint: grammar.map(|g| self.constraint(g, prompt, params)),
                 detok,
                 text: String::new(),
                 sent: 0,
@@ -571,6 +571,31 @@ impl<B: Backend> Engine<B> {
             .add(Sequence::new(id, prompt.to_vec(), params.max_tokens))
             .expect("admission checked every sample");
         id
+    }
+
+    /// A sequence's constraint: from its first token, or from the end of its reasoning where
+    /// the model reasons first and the prompt has not closed the section.
+    fn constraint(&self, grammar: &Grammar, prompt: &[u32], params: &SamplingParams) -> Constraint {
+        let Some(m) = &params.reasoning else {
+            return Constraint::new(grammar);
+        };
+        let ids = |text: &str| self.tokenizer.encode(text, false).unwrap_or_default();
+        let (start, end) = (ids(&m.start), ids(&m.end));
+        let last = |marker: &[u32]| {
+            (!marker.is_empty())
+                .then(|| prompt.windows(marker.len()).rposition(|w| w == marker))
+                .flatten()
+        };
+        let closed = match (last(&start), last(&end)) {
+            (Some(s), Some(e)) => e > s,
+            (None, Some(_)) => true,
+            _ => false,
+        };
+        if closed {
+            Constraint::new(grammar)
+        } else {
+            Constraint::after(grammar, end)
+        }
     }
 
     /// Makes and queues the siblings of a request whose first sample `first` has its
@@ -733,6 +758,7 @@ impl<B: Backend> Engine<B> {
             .iter_mut()
             .filter(|(id, _)| sampled.contains(id))
             .filter_map(|(_, st)| st.constraint.as_mut())
+            .filter(|c| c.is_active())
             .collect();
         if rows.is_empty() {
             return;

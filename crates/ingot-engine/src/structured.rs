@@ -108,6 +108,9 @@ impl Grammars {
                 TopLevelGrammar::from_json_schema(json!({"type": "object"}))
             }
             StructuredOutput::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            StructuredOutput::Choice(choices) if choices.is_empty() => {
+                return Err(invalid("`choice` must list at least one string".into()).into());
+            }
             StructuredOutput::Choice(choices) => {
                 let alternatives: Vec<String> = choices
                     .iter()
@@ -136,6 +139,9 @@ pub struct Constraint {
     matcher: Matcher,
     /// The next token's allowed set, or why it could not be computed.
     mask: Option<Result<SimpleVob, String>>,
+    /// While the model reasons: the end marker's token ids, and the output's last tokens
+    /// to match them against. The grammar starts after the marker.
+    reasoning: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 impl Constraint {
@@ -143,11 +149,29 @@ impl Constraint {
         Constraint {
             matcher: Matcher::new(Ok(TokenParser::clone(&grammar.0))),
             mask: None,
+            reasoning: None,
         }
+    }
+
+    /// A constraint that starts once the output has the tokens `end` (the end of a
+    /// reasoning section); before, every token is allowed.
+    pub fn after(grammar: &Grammar, end: Vec<u32>) -> Constraint {
+        Constraint {
+            reasoning: (!end.is_empty()).then_some((end, vec![])),
+            ..Constraint::new(grammar)
+        }
+    }
+
+    /// Whether the grammar constrains the next token (the reasoning, if any, is over).
+    pub fn is_active(&self) -> bool {
+        self.reasoning.is_none()
     }
 
     /// Computes the mask of the next token; returns the time it took.
     pub fn compute_mask(&mut self) -> Duration {
+        if !self.is_active() {
+            return Duration::ZERO;
+        }
         let start = Instant::now();
         self.mask = Some(self.matcher.compute_mask().map_err(|e| e.to_string()));
         start.elapsed()
@@ -156,6 +180,9 @@ impl Constraint {
     /// Sets the logits of forbidden tokens to −∞. Errors if the mask failed (a grammar
     /// past its fuel, or in an error state) or was not computed.
     pub fn apply(&self, logits: &mut [f32]) -> Result<()> {
+        if !self.is_active() {
+            return Ok(());
+        }
         let mask = match &self.mask {
             Some(Ok(m)) => m,
             Some(Err(e)) => return Err(anyhow!("structured output failed: {e}")),
@@ -179,6 +206,16 @@ impl Constraint {
     /// Advances past an accepted token; `Ok(true)` when the grammar is complete and allows
     /// nothing more.
     pub fn accept(&mut self, token: u32) -> Result<bool> {
+        if let Some((end, tail)) = &mut self.reasoning {
+            tail.push(token);
+            if tail.len() > end.len() {
+                tail.remove(0);
+            }
+            if tail == end {
+                self.reasoning = None;
+            }
+            return Ok(false);
+        }
         self.mask = None;
         self.matcher
             .consume_token(token)

@@ -4,7 +4,7 @@
 //! change the tokens of the unconstrained rows they share a step with.
 
 use ingot_backend::cpu::CpuBackend;
-use ingot_core::{FinishReason, InvalidParam, SamplingParams, StructuredOutput};
+use ingot_core::{FinishReason, InvalidParam, ReasoningMarkers, SamplingParams, StructuredOutput};
 use ingot_engine::{Engine, EngineConfig, RequestOutput};
 use ingot_model::chat::Message;
 use ingot_model::testing::test_model_path;
@@ -237,4 +237,52 @@ fn constrained_rows_leave_their_neighbours_tokens_unchanged() {
         alone.completions[0].token_ids
     );
     assert_person(&outs[1].completions[0].text);
+}
+
+#[test]
+fn a_constraint_starts_after_the_reasoning_ends() {
+    let Some(mut e) = engine(WeightDType::F32) else {
+        return;
+    };
+    let prompt = chat(&e, "What is the capital of France?");
+    let free = run(&mut e, prompt.clone(), SamplingParams::greedy(8));
+    let free = &free.completions[0].token_ids;
+    // One of the model's own tokens, absent from the prompt, stands in for the end of its
+    // thinking.
+    let tok = e.tokenizer().clone();
+    let k = (1..free.len())
+        .find(|&k| {
+            !prompt.contains(&free[k])
+                && tok
+                    .encode(&tok.decode(&free[k..=k], false).unwrap(), false)
+                    .unwrap()
+                    == free[k..=k]
+        })
+        .expect("a marker token");
+    let end = tok.decode(&free[k..=k], false).unwrap();
+    let params = SamplingParams {
+        reasoning: Some(ReasoningMarkers {
+            start: "<think>".into(),
+            end,
+        }),
+        ..constrained(StructuredOutput::Regex("[0-9]{3}".into()), 20)
+    };
+    let c = &run(&mut e, prompt.clone(), params.clone()).completions[0];
+    assert_eq!(c.token_ids[..=k], free[..=k], "free until the marker");
+    let after = e.tokenizer().decode(&c.token_ids[k + 1..], false).unwrap();
+    assert!(
+        after.len() == 3 && after.chars().all(|ch| ch.is_ascii_digit()),
+        "{after}"
+    );
+    assert_eq!(c.finish_reason, Some(FinishReason::Stop));
+    // A prompt that already closed the section constrains from the first token.
+    let mut closed = prompt;
+    closed.extend(e.tokenizer().encode("<think>", false).unwrap());
+    closed.extend(&free[k..=k]);
+    let c = &run(&mut e, closed, params).completions[0];
+    assert!(
+        c.text.len() == 3 && c.text.chars().all(|ch| ch.is_ascii_digit()),
+        "{}",
+        c.text
+    );
 }

@@ -129,6 +129,8 @@ pub(crate) async fn chat_completions(
         params.structured = Some(c);
         constraint_field = Some("tools");
     }
+    // A constraint starts where the thinking ends.
+    params.reasoning = state.config.reasoning_parser.map(|p| p.markers());
     if let ToolMode::Auto(ToolParser::Mistral) = tool_mode {
         // Mistral's call marker is a special token.
         params.skip_special_tokens = false;
@@ -145,6 +147,7 @@ pub(crate) async fn chat_completions(
         echo: vec![],
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
         tools: tool_mode,
+        reasoning: state.config.reasoning_parser,
     };
     let subs = submit(&state, vec![prompt], &params, constraint_field).await?;
     if req.stream.unwrap_or(false) {

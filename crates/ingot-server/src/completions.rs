@@ -61,6 +61,7 @@ pub(crate) async fn completions(
         echo,
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
         tools: ToolMode::Text,
+        reasoning: None,
     };
     let subs = submit(&state, prompts, &params, req.sampling.constraint_field()).await?;
     if req.stream.unwrap_or(false) {

@@ -13,6 +13,7 @@ mod completions;
 pub mod error;
 pub mod metrics;
 pub mod protocol;
+pub mod reasoning;
 mod response;
 mod streaming;
 mod timing;
@@ -46,6 +47,8 @@ pub struct ServerConfig {
     /// How the model writes tool calls, where `tool_choice` `auto` is on
     /// (`--enable-auto-tool-choice`).
     pub tool_parser: Option<ToolParser>,
+    /// How a reasoning model's thinking is told from its answer (`--reasoning-parser`).
+    pub reasoning_parser: Option<reasoning::ReasoningParser>,
 }
 
 pub struct AppState {

@@ -3,6 +3,7 @@
 
 use crate::admission::*;
 use crate::error::ApiError;
+use crate::reasoning::{ReasoningParser, ReasoningSplit};
 use crate::tools::{self, ToolMode};
 use crate::{now, AppState};
 use axum::Json;
@@ -38,6 +39,8 @@ pub(crate) struct Job {
     pub(crate) include_usage: bool,
     /// How a chat answer becomes tool calls.
     pub(crate) tools: ToolMode,
+    /// How a chat answer's thinking is told from its answer.
+    pub(crate) reasoning: Option<ReasoningParser>,
 }
 
 pub(crate) fn token_text(state: &AppState, id: u32) -> String {
@@ -112,7 +115,7 @@ pub(crate) async fn collect(
                     json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
                 }
                 Kind::Chat => {
-                    let (message, finish) = chat_message(&job.tools, text, finish);
+                    let (message, finish) = chat_message(&job, text, finish);
                     json!({
                         "index": index,
                         "message": message,
@@ -136,14 +139,33 @@ pub(crate) async fn collect(
 /// A chat answer as OpenAI's message, its tool calls parsed out, and its finish reason
 /// (`tool_calls` where the model chose to call; a length cut stays `length`).
 pub(crate) fn chat_message<'a>(
-    mode: &ToolMode,
+    job: &Job,
     text: String,
     finish: Option<&'a str>,
 ) -> (Value, Option<&'a str>) {
-    if *mode == ToolMode::Text || finish == Some("length") {
-        return (json!({"role": "assistant", "content": text}), finish);
+    let (reasoning, text) = match job.reasoning {
+        Some(parser) => ReasoningSplit::split(parser, &text),
+        None => (None, text),
+    };
+    let mode = &job.tools;
+    let (mut message, finish) = if *mode == ToolMode::Text || finish == Some("length") {
+        (json!({"role": "assistant", "content": text}), finish)
+    } else {
+        tool_message(mode, &text, finish)
+    };
+    if job.reasoning.is_some() {
+        message["reasoning_content"] = json!(reasoning);
     }
-    let (content, calls) = tools::parse(mode, &text);
+    (message, finish)
+}
+
+/// An answer parsed for tool calls, as OpenAI's message.
+fn tool_message<'a>(
+    mode: &ToolMode,
+    text: &str,
+    finish: Option<&'a str>,
+) -> (Value, Option<&'a str>) {
+    let (content, calls) = tools::parse(mode, text);
     let calls: Vec<Value> = calls
         .into_iter()
         .map(|c| {

@@ -2,6 +2,7 @@
 //! streamed as OpenAI's clients put them together, ending in `data: [DONE]`.
 
 use crate::admission::*;
+use crate::reasoning::ReasoningSplit;
 use crate::response::*;
 use crate::tools::{self, AutoStream, ToolMode};
 use crate::{now, AppState};
@@ -63,6 +64,8 @@ pub(crate) struct Streaming {
     held: Vec<AutoStream>,
     /// Per sample: the id of its call, where `tool_choice` names a function.
     call_ids: Vec<String>,
+    /// Per sample: its thinking told from its answer, with a reasoning parser.
+    thinking: Vec<Option<ReasoningSplit>>,
     completion_tokens: Arc<AtomicU64>,
 }
 
@@ -74,7 +77,26 @@ pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Strea
             s.completion_tokens
                 .fetch_add(d.token_ids.len() as u64, Ordering::Relaxed);
             let index = s.sub.prompt_index * s.job.n + d.index;
-            let v = match &s.job.tools {
+            // The thinking goes out as `reasoning_content`; the answer goes on as the text.
+            let (d, reasoning) = match &mut s.thinking[d.index] {
+                Some(split) => {
+                    let mut parts = split.push(&d.text);
+                    if d.finish_reason.is_some() {
+                        let rest = split.finish();
+                        parts.reasoning += &rest.reasoning;
+                        parts.content += &rest.content;
+                    }
+                    (
+                        SeqDelta {
+                            text: parts.content,
+                            ..d
+                        },
+                        parts.reasoning,
+                    )
+                }
+                None => (d, String::new()),
+            };
+            let mut v = match &s.job.tools {
                 ToolMode::Named(name) => {
                     let first = !std::mem::replace(&mut s.started[d.index], true);
                     Some(named_call_chunk(&s, &d, name, first))
@@ -85,6 +107,20 @@ pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Strea
                     Some(chunk(&s.state, &s.job, s.sub.prompt_index, &d, first))
                 }
             };
+            if !reasoning.is_empty() {
+                let job = &s.job;
+                let v = v.get_or_insert_with(|| {
+                    json!({
+                        "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
+                        "choices": [{"index": index, "delta": {}, "logprobs": null, "finish_reason": null}],
+                    })
+                });
+                let delta = &mut v["choices"][0]["delta"];
+                delta["reasoning_content"] = json!(reasoning);
+                if !std::mem::replace(&mut s.started[d.index], true) {
+                    delta["role"] = json!("assistant");
+                }
+            }
             Some((v, s))
         }
         Some(Err(f)) => {
@@ -188,6 +224,9 @@ pub(crate) fn stream_job(
             started: vec![false; job.n],
             held: (0..job.n).map(|_| AutoStream::default()).collect(),
             call_ids: (0..job.n).map(|_| tools::call_id()).collect(),
+            thinking: (0..job.n)
+                .map(|_| job.reasoning.map(ReasoningSplit::new))
+                .collect(),
             completion_tokens: completion_tokens.clone(),
         };
         stream::unfold(s, next_chunk).boxed()

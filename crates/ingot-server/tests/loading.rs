@@ -12,6 +12,7 @@ async fn everything_but_metrics_is_503_while_loading() {
         max_prompts_per_request: 256,
         max_body_bytes: 1 << 20,
         tool_parser: None,
+        reasoning_parser: None,
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

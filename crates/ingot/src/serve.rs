@@ -43,6 +43,10 @@ pub struct Args {
     /// How the model writes tool calls: hermes, qwen3, llama3_json or mistral.
     #[arg(long)]
     tool_call_parser: Option<ingot_server::tools::ToolParser>,
+    /// Tell a reasoning model's thinking from its answer: qwen3 or deepseek_r1. The
+    /// thinking goes to `reasoning_content`, and structured output starts after it.
+    #[arg(long)]
+    reasoning_parser: Option<ingot_server::reasoning::ReasoningParser>,
     /// Seconds in-flight requests get to finish after a shutdown signal.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
@@ -111,6 +115,7 @@ async fn serve(args: Args) -> Result<()> {
         max_prompts_per_request: args.max_prompts_per_request,
         max_body_bytes: 8 << 20,
         tool_parser,
+        reasoning_parser: args.reasoning_parser,
     });
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -42,6 +42,7 @@ impl Server {
             max_prompts_per_request: 256,
             max_body_bytes: 8 << 20,
             tool_parser: None,
+            reasoning_parser: None,
         });
         let _ = state.engine.set(engine);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
