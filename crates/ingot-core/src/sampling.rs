@@ -241,11 +241,6 @@ impl SamplingParams {
             })?;
         }
         check(self.n >= 1, "n", || "must be at least 1".into())?;
-        if let Some(StructuredOutput::Choice(choices)) = &self.structured {
-            check(!choices.is_empty(), "structured_outputs", || {
-                "`choice` must list at least one string".into()
-            })?;
-        }
         Ok(())
     }
 }

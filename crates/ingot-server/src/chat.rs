@@ -112,8 +112,7 @@ pub(crate) async fn chat_completions(
     } else {
         None
     };
-    let mut params = req.sampling.to_params(top)?;
-    let mut constraint_field = req.sampling.constraint_field();
+    let (mut params, mut constraint_field) = req.sampling.to_params(top)?;
     if let Some(c) = tools::constraint(tools, &tool_mode, req.parallel_tool_calls.unwrap_or(true)) {
         if let Some(f) = constraint_field {
             return Err(ApiError::bad_request(format!(

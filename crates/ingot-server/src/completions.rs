@@ -42,7 +42,7 @@ pub(crate) async fn completions(
     if prompts.is_empty() {
         return Err(ApiError::bad_request("`prompt` is empty").with_param("prompt"));
     }
-    let mut params = req.sampling.to_params(req.logprobs)?;
+    let (mut params, constraint_field) = req.sampling.to_params(req.logprobs)?;
     params.max_tokens = req.max_tokens.unwrap_or(16);
     let echo = if req.echo.unwrap_or(false) {
         prompts
@@ -63,7 +63,7 @@ pub(crate) async fn completions(
         tools: ToolMode::Text,
         reasoning: None,
     };
-    let subs = submit(&state, prompts, &params, req.sampling.constraint_field()).await?;
+    let subs = submit(&state, prompts, &params, constraint_field).await?;
     if req.stream.unwrap_or(false) {
         Ok(stream_job(state, job, subs).into_response())
     } else {

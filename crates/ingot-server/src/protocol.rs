@@ -93,7 +93,8 @@ pub struct StructuredOutputs {
     pub json_object: Option<bool>,
 }
 
-/// A JSON schema given as an object, or as a string holding one.
+/// A JSON schema given as an object, or as a string holding one (its shape is checked where
+/// it compiles).
 fn schema(value: &Value, field: &str) -> Result<Value, ApiError> {
     let schema = match value {
         Value::String(text) => serde_json::from_str(text).map_err(|e| {
@@ -101,12 +102,6 @@ fn schema(value: &Value, field: &str) -> Result<Value, ApiError> {
         })?,
         v => v.clone(),
     };
-    if !schema.is_object() && !schema.is_boolean() {
-        return Err(
-            ApiError::bad_request(format!("`{field}` must be a JSON schema object"))
-                .with_param(field),
-        );
-    }
     Ok(schema)
 }
 
@@ -231,27 +226,10 @@ pub struct ChatRequest {
 }
 
 impl Sampling {
-    /// The request field the output constraint came from, for errors about it.
-    pub fn constraint_field(&self) -> Option<&'static str> {
-        let response_format = self
-            .response_format
-            .as_ref()
-            .is_some_and(|f| f.kind != "text");
-        [
-            (response_format, "response_format"),
-            (self.structured_outputs.is_some(), "structured_outputs"),
-            (self.guided_json.is_some(), "guided_json"),
-            (self.guided_regex.is_some(), "guided_regex"),
-            (self.guided_choice.is_some(), "guided_choice"),
-            (self.guided_grammar.is_some(), "guided_grammar"),
-        ]
-        .into_iter()
-        .find_map(|(given, field)| given.then_some(field))
-    }
-
-    /// The output constraint the request asks for, in any of its spellings; at most one.
-    pub fn structured(&self) -> Result<Option<StructuredOutput>, ApiError> {
-        let mut found: Vec<(&str, StructuredOutput)> = vec![];
+    /// The output constraint the request asks for, in any of its spellings (at most one),
+    /// with the field that gave it.
+    pub fn structured(&self) -> Result<Option<(&'static str, StructuredOutput)>, ApiError> {
+        let mut found: Vec<(&'static str, StructuredOutput)> = vec![];
         if let Some(f) = &self.response_format {
             match f.kind.as_str() {
                 "text" => {}
@@ -313,11 +291,16 @@ impl Sampling {
             ))
             .with_param(found[1].0));
         }
-        Ok(found.pop().map(|(_, s)| s))
+        Ok(found.pop())
     }
 
-    /// Engine parameters; `max_tokens` is filled in by the caller.
-    pub fn to_params(&self, logprobs: Option<usize>) -> Result<SamplingParams, ApiError> {
+    /// Engine parameters, and the field their output constraint came from (for errors
+    /// about it); `max_tokens` is filled in by the caller.
+    pub fn to_params(
+        &self,
+        logprobs: Option<usize>,
+    ) -> Result<(SamplingParams, Option<&'static str>), ApiError> {
+        let (constraint_field, structured) = self.structured()?.unzip();
         let d = SamplingParams::default();
         let mut logit_bias = HashMap::new();
         for (k, v) in self.logit_bias.iter().flatten() {
@@ -327,7 +310,7 @@ impl Sampling {
             })?;
             logit_bias.insert(id, *v);
         }
-        Ok(SamplingParams {
+        let params = SamplingParams {
             temperature: self.temperature.unwrap_or(d.temperature),
             top_p: self.top_p.unwrap_or(d.top_p),
             top_k: self.top_k.unwrap_or(d.top_k),
@@ -348,9 +331,10 @@ impl Sampling {
             min_tokens: self.min_tokens.unwrap_or(0),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             logprobs,
-            structured: self.structured()?,
+            structured,
             ..d
-        })
+        };
+        Ok((params, constraint_field))
     }
 }
 

@@ -166,17 +166,8 @@ fn tool_message<'a>(
     finish: Option<&'a str>,
 ) -> (Value, Option<&'a str>) {
     let (content, calls) = tools::parse(mode, text);
-    let calls: Vec<Value> = calls
-        .into_iter()
-        .map(|c| {
-            json!({"id": tools::call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
-        })
-        .collect();
-    // OpenAI ends a named choice with `stop`, and a call the model chose with `tool_calls`.
-    let finish = match (mode, calls.is_empty()) {
-        (ToolMode::Named(_), _) | (_, true) => finish,
-        _ => Some("tool_calls"),
-    };
+    let calls = tools::calls_json(calls);
+    let finish = tools::finish_reason(mode, !calls.is_empty(), finish);
     let mut message = json!({"role": "assistant", "content": content});
     if !calls.is_empty() {
         message["tool_calls"] = Value::from(calls);

@@ -15,6 +15,11 @@ use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// A streamed chunk of `job` carrying `choices`.
+fn envelope(job: &Job, choices: Value) -> Value {
+    json!({"id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model, "choices": choices})
+}
+
 /// One streamed chunk for one sample's delta.
 pub(crate) fn chunk(
     state: &AppState,
@@ -33,10 +38,10 @@ pub(crate) fn chunk(
             } else {
                 ""
             };
-            json!({
-                "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
-                "choices": [{"index": index, "text": format!("{echo}{}", d.text), "logprobs": logprobs, "finish_reason": finish}],
-            })
+            envelope(
+                job,
+                json!([{"index": index, "text": format!("{echo}{}", d.text), "logprobs": logprobs, "finish_reason": finish}]),
+            )
         }
         Kind::Chat => {
             let delta = if first {
@@ -44,10 +49,10 @@ pub(crate) fn chunk(
             } else {
                 json!({"content": d.text})
             };
-            json!({
-                "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-            })
+            envelope(
+                job,
+                json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]),
+            )
         }
     }
 }
@@ -62,8 +67,6 @@ pub(crate) struct Streaming {
     /// Per sample: the text held back to be parsed for tool calls (all of it for
     /// `required`, from a possible call on for `auto`).
     held: Vec<AutoStream>,
-    /// Per sample: the id of its call, where `tool_choice` names a function.
-    call_ids: Vec<String>,
     /// Per sample: its thinking told from its answer, with a reasoning parser.
     thinking: Vec<Option<ReasoningSplit>>,
     completion_tokens: Arc<AtomicU64>,
@@ -108,12 +111,11 @@ pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Strea
                 }
             };
             if !reasoning.is_empty() {
-                let job = &s.job;
                 let v = v.get_or_insert_with(|| {
-                    json!({
-                        "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
-                        "choices": [{"index": index, "delta": {}, "logprobs": null, "finish_reason": null}],
-                    })
+                    envelope(
+                        &s.job,
+                        json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": null}]),
+                    )
                 });
                 let delta = &mut v["choices"][0]["delta"];
                 delta["reasoning_content"] = json!(reasoning);
@@ -162,24 +164,27 @@ pub(crate) fn held_chunk(s: &mut Streaming, d: &SeqDelta, index: usize) -> Optio
     if content.is_none() && d.finish_reason.is_none() {
         return None;
     }
-    let mut finish = d.finish_reason.map(FinishReason::as_str);
+    let finish = tools::finish_reason(
+        &s.job.tools,
+        !calls.is_empty(),
+        d.finish_reason.map(FinishReason::as_str),
+    );
     let mut delta = json!({"content": content});
-    if !calls.is_empty() && finish != Some("length") {
-        finish = Some("tool_calls");
-        delta["tool_calls"] = calls
-            .into_iter()
-            .enumerate()
-            .map(|(i, c)| json!({"index": i, "id": tools::call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
-            .collect();
+    if finish == Some("tool_calls") {
+        let mut calls = tools::calls_json(calls);
+        for (i, c) in calls.iter_mut().enumerate() {
+            c["index"] = json!(i);
+        }
+        delta["tool_calls"] = Value::from(calls);
     }
     if !std::mem::replace(&mut s.started[d.index], true) {
         delta["role"] = json!("assistant");
     }
-    let job = &s.job;
-    Some(json!({
-        "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
-        "choices": [{"index": index, "delta": delta, "logprobs": logprobs_json(&s.state, job.kind, &d.logprobs), "finish_reason": finish}],
-    }))
+    let logprobs = logprobs_json(&s.state, s.job.kind, &d.logprobs);
+    Some(envelope(
+        &s.job,
+        json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]),
+    ))
 }
 
 /// A streamed delta of a named function's arguments: the call's id and name come with the
@@ -187,7 +192,7 @@ pub(crate) fn held_chunk(s: &mut Streaming, d: &SeqDelta, index: usize) -> Optio
 pub(crate) fn named_call_chunk(s: &Streaming, d: &SeqDelta, name: &str, first: bool) -> Value {
     let job = &s.job;
     let call = if first {
-        json!({"index": 0, "id": s.call_ids[d.index], "type": "function", "function": {"name": name, "arguments": d.text}})
+        json!({"index": 0, "id": tools::call_id(), "type": "function", "function": {"name": name, "arguments": d.text}})
     } else {
         json!({"index": 0, "function": {"arguments": d.text}})
     };
@@ -195,15 +200,15 @@ pub(crate) fn named_call_chunk(s: &Streaming, d: &SeqDelta, name: &str, first: b
     if first {
         delta["role"] = json!("assistant");
     }
-    json!({
-        "id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model,
-        "choices": [{
+    envelope(
+        job,
+        json!([{
             "index": s.sub.prompt_index * job.n + d.index,
             "delta": delta,
             "logprobs": logprobs_json(&s.state, job.kind, &d.logprobs),
             "finish_reason": d.finish_reason.map(FinishReason::as_str),
-        }],
-    })
+        }]),
+    )
 }
 
 /// Streams a job as server-sent events ending in `data: [DONE]`. Dropping the stream (a
@@ -223,7 +228,6 @@ pub(crate) fn stream_job(
             sub,
             started: vec![false; job.n],
             held: (0..job.n).map(|_| AutoStream::default()).collect(),
-            call_ids: (0..job.n).map(|_| tools::call_id()).collect(),
             thinking: (0..job.n)
                 .map(|_| job.reasoning.map(ReasoningSplit::new))
                 .collect(),
@@ -237,8 +241,12 @@ pub(crate) fn stream_job(
     let tail = stream::once(async move {
         let mut events = vec![];
         if job.include_usage {
-            let usage = usage(prompt_tokens, completion_tokens.load(Ordering::Relaxed) as usize);
-            let v = json!({"id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model, "choices": [], "usage": usage});
+            let usage = usage(
+                prompt_tokens,
+                completion_tokens.load(Ordering::Relaxed) as usize,
+            );
+            let mut v = envelope(&job, json!([]));
+            v["usage"] = usage;
             events.push(Ok(SseEvent::default().data(v.to_string())));
         }
         events.push(Ok(SseEvent::default().data("[DONE]")));

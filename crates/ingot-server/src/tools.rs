@@ -484,6 +484,30 @@ impl AutoStream {
     }
 }
 
+/// Parsed calls in OpenAI's shape, each with a fresh id.
+pub fn calls_json(calls: Vec<ParsedCall>) -> Vec<Value> {
+    calls
+        .into_iter()
+        .map(|c| {
+            json!({"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+        })
+        .collect()
+}
+
+/// An answer's finish reason once its calls are parsed: `tool_calls` where the model made
+/// calls (OpenAI ends a named choice with `stop`, and a `length` cut stays `length`).
+pub fn finish_reason<'a>(
+    mode: &ToolMode,
+    has_calls: bool,
+    finish: Option<&'a str>,
+) -> Option<&'a str> {
+    if matches!(mode, ToolMode::Named(_)) || !has_calls || finish == Some("length") {
+        finish
+    } else {
+        Some("tool_calls")
+    }
+}
+
 /// A fresh call id in OpenAI's style.
 pub fn call_id() -> String {
     format!("call_{}", Alphanumeric.sample_string(&mut rand::rng(), 24))
