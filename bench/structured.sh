@@ -9,7 +9,7 @@
 # the same number of tokens. A warm-up pair goes first (it also compiles the schema's
 # lexer); then ROUNDS (default 3) pairs alternate the two loads, so that a machine whose
 # speed drifts weighs on both alike, and the median ratio is the figure. TEMPERATURE
-# (default 0, greedy) sets the sampling of both. Needs target/release/ingot.
+# (default 0, greedy) sets the sampling of both. Runs $INGOT (default target/release/ingot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tokenizer=$1
@@ -19,7 +19,7 @@ prompts=${4:-64}
 input=${5:-128}
 output=${6:-128}
 run() {
-  target/release/ingot bench serve --base-url "$base" --tokenizer "$tokenizer" --format json \
+  "${INGOT:-target/release/ingot}" bench serve --base-url "$base" --tokenizer "$tokenizer" --format json \
     --num-prompts "$prompts" --max-concurrency "$concurrency" --input-len "$input" \
     --output-len "$output" --temperature "${TEMPERATURE:-0}" "$@"
 }
@@ -41,7 +41,7 @@ for plain, constrained in zip(runs[0::2], runs[1::2]):
     so = constrained.get("structured_output") or {}
     if so:
         print(f"  masks: {so['masks']:.0f} in {so['steps']:.0f} steps, {so['mask_us_per_token']:.1f} µs per mask, "
-              f"{so['mask_us_per_step']:.1f} µs per step")
+              f"{so['mask_us_per_step']:.1f} µs per step; grammars advanced in {so['accept_us_per_step']:.1f} µs per step")
     ratios.append(constrained["output_throughput"] / plain["output_throughput"])
     print(f"  ratio {ratios[-1]:.3f}")
 print(f"median ratio: {statistics.median(ratios):.3f} (of {', '.join(f'{r:.3f}' for r in ratios)})")

@@ -615,9 +615,10 @@ pub trait Backend: Send + Sync {
     fn argmax(&self, logits: &Self::Buffer, rows: usize, vocab: usize, out: &mut Self::Buffer);
 
     /// Picks one token per row of f32 `logits` (`rows` rows of `vocab`) as
-    /// [`sampling::sample_row`] does, with row `r`'s [`SampleRow`] from `params` and its
-    /// [`LogitEdit`]s from `edits` (both uploaded as raw words into I32 buffers); the edits
-    /// change `logits` in place. The ids go to i32 `out`.
+    /// [`sampling::sample_row`] does, with row `r`'s [`SampleRow`] from `params`, its
+    /// [`LogitEdit`]s from `edits` and its token bitmask (if it has one) from `masks`, rows
+    /// of [`sampling::mask_words`] words (all uploaded as raw words into I32 buffers); the
+    /// edits and masks change `logits` in place. The ids go to i32 `out`.
     #[allow(clippy::too_many_arguments)]
     fn sample(
         &self,
@@ -626,6 +627,7 @@ pub trait Backend: Send + Sync {
         vocab: usize,
         params: &Self::Buffer,
         edits: &Self::Buffer,
+        masks: &Self::Buffer,
         out: &mut Self::Buffer,
     );
 

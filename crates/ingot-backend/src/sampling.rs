@@ -1,5 +1,5 @@
 //! Token selection from a row of logits, in the form a GPU runs it without sorting: sparse
-//! edits (bias, penalties, masks), then greedy or a draw from the tempered distribution cut
+//! edits (bias, penalties), a structured-output token mask, then greedy or a draw from the tempered distribution cut
 //! by top-k, top-p and min-p.
 //!
 //! Thresholds are found on order-preserving integer keys of the logits, and probability
@@ -26,7 +26,31 @@ pub struct SampleRow {
     /// This row's edits are `edits[edit_start..edit_end]`, at most one per token.
     pub edit_start: u32,
     pub edit_end: u32,
-    pub pad: u32,
+    /// 1 + the index of this row's token bitmask in the step's masks, or 0 for a row
+    /// without one. A mask is [`mask_words`] words; bit `t % 32` of word `t / 32` set
+    /// allows token `t`.
+    pub mask: u32,
+}
+
+/// Words of one row's token bitmask over a vocabulary of `vocab`.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// Sets the logits of the tokens `mask` forbids to −∞ (tokens past the mask's end are
+/// forbidden).
+pub fn apply_mask(logits: &mut [f32], mask: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = mask.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, x) in chunk.iter_mut().enumerate() {
+            if bits & (1 << b) == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
 }
 
 /// One logit's change: `x = x + bias`, then `x / repetition` if positive or
@@ -100,13 +124,21 @@ pub fn scaled(total: u64, frac: f32) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-/// Applies `edits` to `logits` and picks the row's token. A draw leaves `logits` holding
-/// the probabilities relative to the most likely token, `exp((x - max) / temperature)`,
-/// which its thresholds and masses are computed from.
-pub fn sample_row(logits: &mut [f32], row: &SampleRow, edits: &[LogitEdit]) -> u32 {
+/// Applies `edits`, then `mask` if given, to `logits` and picks the row's token. A draw
+/// leaves `logits` holding the probabilities relative to the most likely token,
+/// `exp((x - max) / temperature)`, which its thresholds and masses are computed from.
+pub fn sample_row(
+    logits: &mut [f32],
+    row: &SampleRow,
+    edits: &[LogitEdit],
+    mask: Option<&[u32]>,
+) -> u32 {
     for e in edits {
         let x = &mut logits[e.token as usize];
         *x = e.apply(*x);
+    }
+    if let Some(mask) = mask {
+        apply_mask(logits, mask);
     }
     let best = crate::first_argmax(logits);
     if row.temperature == 0.0 {
@@ -220,7 +252,12 @@ mod tests {
         let ln = |p: f32| p.ln();
         let logits = [ln(0.1), ln(0.4), ln(0.2), ln(0.3)];
         let pick = |u: f32, r: SampleRow| {
-            sample_row(&mut logits.clone(), &SampleRow { uniform: u, ..r }, &[])
+            sample_row(
+                &mut logits.clone(),
+                &SampleRow { uniform: u, ..r },
+                &[],
+                None,
+            )
         };
         let r = row(1.0);
         assert_eq!(
@@ -259,7 +296,40 @@ mod tests {
                 ..LogitEdit::new(3)
             },
         ];
-        assert_eq!(sample_row(&mut logits, &row(0.0), &edits), 3);
+        assert_eq!(sample_row(&mut logits, &row(0.0), &edits, None), 3);
         assert_eq!(logits, [f32::NEG_INFINITY, 1.0, -2.0, 1.25]);
+    }
+
+    #[test]
+    fn a_mask_leaves_only_its_tokens() {
+        let logits: Vec<f32> = (0..70).map(|i| (i as f32 * 0.7).sin()).collect();
+        // Tokens 3, 40 and 65 allowed, in three words.
+        let mask = [1 << 3, 1 << 8, 1 << 1];
+        let allowed = [3, 40, 65];
+        let best = *allowed
+            .iter()
+            .max_by(|&&a, &&b| logits[a as usize].total_cmp(&logits[b as usize]))
+            .unwrap();
+        let pick = |r: SampleRow| sample_row(&mut logits.clone(), &r, &[], Some(&mask));
+        assert_eq!(pick(row(0.0)), best);
+        let mut seen = vec![];
+        for u in [0.0, 0.2, 0.4, 0.6, 0.8, 0.99] {
+            let t = pick(SampleRow {
+                uniform: u,
+                ..row(2.0)
+            });
+            assert!(allowed.contains(&t), "{t}");
+            seen.push(t);
+        }
+        seen.dedup();
+        assert_eq!(
+            seen, allowed,
+            "a hot draw reaches every allowed token in id order"
+        );
+        // Tokens past a short mask's end are forbidden.
+        let mut short = logits.clone();
+        apply_mask(&mut short, &[u32::MAX, u32::MAX]);
+        assert!(short[64..].iter().all(|&x| x == f32::NEG_INFINITY));
+        assert_eq!(short[..64], logits[..64]);
     }
 }

@@ -4,15 +4,16 @@ use crate::detokenizer::Detokenizer;
 use crate::runner::{ModelRunner, RunnerConfig, StepInput};
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::structured::{Constraint, Grammar, Grammars};
-use anyhow::{bail, Result};
-use ingot_backend::{Backend, DType};
+use anyhow::{anyhow, bail, Result};
+use ingot_backend::sampling::mask_words;
+use ingot_backend::{Backend, DType, LogitEdit, SampleRow};
 use ingot_core::{
     FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
 };
 use ingot_model::{Activations, KvCache, Model, Tokenizer};
 use rayon::prelude::*;
-use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 pub type RequestId = u64;
@@ -163,6 +164,9 @@ pub struct StructuredStats {
     pub mask_seconds: f64,
     /// Summed over steps: the wall time of each step's masks, computed in parallel.
     pub step_seconds: f64,
+    /// Summed over steps: the wall time of advancing each step's grammars past their new
+    /// tokens, in parallel.
+    pub accept_seconds: f64,
 }
 
 /// Samples 2..n of a request, made only once the first sample's prefill is done: then they
@@ -222,6 +226,35 @@ struct InFlight {
     sampled: Vec<SeqId>,
     picks: Picks,
     info: StepInfo,
+    /// What the step still needs once its forward pass is queued.
+    pending: Option<Pending>,
+}
+
+/// The part of a step's submission that waits for its structured-output masks.
+struct Pending {
+    masks: Option<MaskJob>,
+    /// The rows and edits of a step sampled on the device, to queue with the masks.
+    device: Option<(Vec<SampleRow>, Vec<LogitEdit>)>,
+}
+
+/// Masks being computed on the worker threads.
+struct MaskJob(mpsc::Receiver<Masks>);
+
+/// A step's computed masks: the constraints that hold them, the sum of the masks' times
+/// and the wall time of the whole.
+struct Masks {
+    rows: Vec<(SeqId, Constraint)>,
+    total: Duration,
+    wall: Duration,
+}
+
+/// A sampled sequence's token, before it is committed.
+struct Pick {
+    id: SeqId,
+    /// The sequence's output tokens before this one.
+    num_before: usize,
+    /// The token and its logprobs, or why the sequence cannot go on.
+    picked: Result<(u32, Option<TokenLogprobs>)>,
 }
 
 /// A token committed to its sequence, whose text and stop strings are still to be checked.
@@ -715,8 +748,9 @@ impl<B: Backend> Engine<B> {
     ///
     /// The host's work overlaps the device's: a call reads back the tokens of the step the
     /// call before it submitted, commits them (stop tokens and `max_tokens` end sequences
-    /// here), submits the next step, and only then detokenizes and checks stop strings
-    /// while the device runs. So a call returns the deltas of the step before; a sequence
+    /// here), queues the next step's forward pass, and only then detokenizes and checks
+    /// stop strings while the device runs it and the worker threads compute its
+    /// structured-output masks; then the step's token picks are queued with the masks. So a call returns the deltas of the step before; a sequence
     /// that a stop string ends has one more step in flight, whose token is dropped.
     pub fn step(&mut self) -> Result<Vec<SeqDelta>> {
         let mut in_runner = Duration::ZERO;
@@ -732,50 +766,105 @@ impl<B: Backend> Engine<B> {
         let out = self.scheduler.schedule();
         if !out.seqs.is_empty() {
             in_runner += self.submit(out)?;
-            self.compute_masks();
         }
-        let Some((info, tokens)) = done else {
-            self.last_step = StepInfo::default();
-            return Ok(vec![]);
+        // The previous step's text is made while the worker threads compute this step's
+        // masks and the device runs its forward pass.
+        let deltas = match done {
+            Some((info, tokens)) => {
+                self.last_step = info;
+                self.deliver(tokens)
+            }
+            None => {
+                self.last_step = StepInfo::default();
+                Ok(vec![])
+            }
         };
-        self.last_step = StepInfo {
-            execute: in_runner,
-            ..info
-        };
-        self.deliver(tokens)
+        in_runner += self.finish_submit()?;
+        self.last_step.execute = in_runner;
+        deltas
     }
 
-    /// Computes the token masks of the constrained rows of the step in flight, in
-    /// parallel, while the device runs it: the tokens before are committed, so each
-    /// matcher stands where the row's next token is chosen.
-    fn compute_masks(&mut self) {
-        let Some(f) = self.in_flight.as_mut() else {
-            return;
-        };
-        let sampled: HashSet<SeqId> = f.sampled.iter().copied().collect();
-        let mut rows: Vec<&mut Constraint> = self
-            .seqs
-            .iter_mut()
-            .filter(|(id, _)| sampled.contains(id))
-            .filter_map(|(_, st)| st.constraint.as_mut())
-            .filter(|c| c.is_active())
+    /// Starts the token masks of the constrained rows of a submitted step on the worker
+    /// threads, in parallel: the tokens before are committed, so each matcher stands where
+    /// the row's next token is chosen. The constraints are theirs until
+    /// [`finish_submit`](Self::finish_submit) takes them back.
+    fn start_masks(&mut self, sampled: &[SeqId]) -> Option<MaskJob> {
+        let mut rows: Vec<(SeqId, Constraint)> = sampled
+            .iter()
+            .filter_map(|id| {
+                let st = self.seqs.get_mut(id)?;
+                st.constraint.as_ref()?.is_active().then_some(())?;
+                Some((*id, st.constraint.take()?))
+            })
             .collect();
         if rows.is_empty() {
-            return;
+            return None;
         }
-        let start = Instant::now();
-        let total: Duration = rows.par_iter_mut().map(|c| c.compute_mask()).sum();
-        f.info.constrained_rows = rows.len();
-        f.info.mask_time = start.elapsed();
-        f.info.mask_time_total = total;
-        let st = &mut self.structured_stats;
-        st.masks += rows.len() as u64;
-        st.steps += 1;
-        st.mask_seconds += total.as_secs_f64();
-        st.step_seconds += f.info.mask_time.as_secs_f64();
+        let (tx, rx) = mpsc::channel();
+        rayon::spawn(move || {
+            let start = Instant::now();
+            let total: Duration = rows.par_iter_mut().map(|(_, c)| c.compute_mask()).sum();
+            // The engine waits for this unless it failed and went away.
+            let _ = tx.send(Masks {
+                rows,
+                total,
+                wall: start.elapsed(),
+            });
+        });
+        Some(MaskJob(rx))
     }
 
-    /// Queues a scheduled step on the device; returns the time spent in the model runner.
+    /// Completes the submitted step once its masks are in: the constraints go back to their
+    /// sequences, and a step sampled on the device queues its pick with the masks. Returns
+    /// the time spent in the model runner.
+    fn finish_submit(&mut self) -> Result<Duration> {
+        let Some(f) = self.in_flight.as_mut() else {
+            return Ok(Duration::ZERO);
+        };
+        let Some(pending) = f.pending.take() else {
+            return Ok(Duration::ZERO);
+        };
+        if let Some(MaskJob(rx)) = pending.masks {
+            let Masks { rows, total, wall } = rx
+                .recv()
+                .map_err(|_| anyhow!("a structured-output mask worker failed"))?;
+            f.info.constrained_rows = rows.len();
+            f.info.mask_time = wall;
+            f.info.mask_time_total = total;
+            let st = &mut self.structured_stats;
+            st.masks += rows.len() as u64;
+            st.steps += 1;
+            st.mask_seconds += total.as_secs_f64();
+            st.step_seconds += wall.as_secs_f64();
+            for (id, c) in rows {
+                // A stop string may have ended the sequence meanwhile.
+                if let Some(state) = self.seqs.get_mut(&id) {
+                    state.constraint = Some(c);
+                }
+            }
+        }
+        let Some((mut rows, edits)) = pending.device else {
+            return Ok(Duration::ZERO);
+        };
+        let words = mask_words(self.runner.vocab_size());
+        let mut masks = vec![];
+        for (row, id) in rows.iter_mut().zip(&f.sampled) {
+            let constraint = self.seqs.get(id).and_then(|s| s.constraint.as_ref());
+            // A failed mask leaves the row unmasked: commit drops its token.
+            if let Some(Ok(Some(mask))) = constraint.map(|c| c.allowed()) {
+                let n = mask.len().min(words);
+                masks.extend_from_slice(&mask[..n]);
+                masks.resize(masks.len() + words - n, 0);
+                row.mask = (masks.len() / words) as u32;
+            }
+        }
+        let started = Instant::now();
+        self.runner.sample(&rows, &edits, &masks)?;
+        Ok(started.elapsed())
+    }
+
+    /// Queues a scheduled step's forward pass on the device and starts its masks; returns
+    /// the time spent in the model runner.
     fn submit(&mut self, out: SchedulerOutput) -> Result<Duration> {
         let (input, sampled) = self.step_input(&out);
         let mut info = StepInfo::default();
@@ -791,48 +880,47 @@ impl<B: Backend> Engine<B> {
                 st.queue_time = Some(arrival.elapsed());
             }
         }
-        // Constrained rows are masked and sampled on the host.
-        let constrained = sampled.iter().any(|id| self.seqs[id].constraint.is_some());
         // Plain greedy rows need only their argmax, which the device sends back alone.
-        let greedy = !constrained
-            && sampled.iter().all(|id| {
-                let seq = self.scheduler.get(*id).expect("sampled sequences run");
-                self.seqs[id].sampler.is_plain_greedy(seq.num_output())
-            });
-        // Otherwise a device that samples picks the tokens unless a row wants logprobs,
-        // which are computed from the logits on the host.
+        let greedy = sampled.iter().all(|id| {
+            let seq = self.scheduler.get(*id).expect("sampled sequences run");
+            let st = &self.seqs[id];
+            st.constraint.is_none() && st.sampler.is_plain_greedy(seq.num_output())
+        });
+        // Otherwise a device that samples picks the tokens (masked where a constraint
+        // says) unless a row wants logprobs, which are computed from the logits on the
+        // host.
         let on_device = self.runner.backend.samples_on_device()
-            && !constrained
             && sampled
                 .iter()
                 .all(|id| self.seqs[id].sampler.params().logprobs.is_none());
         let started = Instant::now();
-        let picks = if greedy {
-            self.runner.submit(&input, None)?;
-            Picks::Ids
+        self.runner.submit(&input)?;
+        let in_runner = started.elapsed();
+        let masks = self.start_masks(&sampled);
+        let (picks, device) = if greedy {
+            (Picks::Ids, None)
         } else if on_device {
             let mut rows = Vec::with_capacity(sampled.len());
             let mut edits = vec![];
             for id in &sampled {
                 let seq = self.scheduler.get(*id).expect("sampled sequences run");
                 let state = self.seqs.get_mut(id).expect("every sequence has state");
-                let row = state
-                    .sampler
-                    .device_row(&seq.tokens, seq.num_output(), &mut edits);
-                rows.push(row);
+                rows.push(
+                    state
+                        .sampler
+                        .device_row(&seq.tokens, seq.num_output(), &mut edits),
+                );
             }
-            self.runner.submit(&input, Some((&rows, &edits)))?;
-            Picks::Ids
+            (Picks::Ids, Some((rows, edits)))
         } else {
-            self.runner.submit(&input, None)?;
-            Picks::Logits
+            (Picks::Logits, None)
         };
-        let in_runner = started.elapsed();
         self.in_flight = Some(InFlight {
             out,
             sampled,
             picks,
             info,
+            pending: Some(Pending { masks, device }),
         });
         Ok(in_runner)
     }
@@ -851,33 +939,19 @@ impl<B: Backend> Engine<B> {
     /// does not run it).
     fn commit(&mut self, f: InFlight, picked: Sampled) -> Vec<NewToken> {
         let ready = self.scheduler.commit(&f.out);
-        let vocab = self.runner.vocab_size();
-        let mut tokens = Vec::with_capacity(f.sampled.len());
-        for (k, id) in f.sampled.into_iter().enumerate() {
-            // A stop string or an abort ended this sequence while the step ran.
-            let Some(seq) = self.scheduler.get(id) else {
-                continue;
-            };
-            let num_before = seq.num_output();
+        let picks = self.picks(f.sampled, picked);
+        let mut grammar_done = self.accept(&picks);
+        let mut tokens = Vec::with_capacity(picks.len());
+        for Pick {
+            id,
+            num_before,
+            picked,
+        } in picks
+        {
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
-            let picked = match &picked {
-                Sampled::Tokens(ids) => Ok((ids[k], None)),
-                Sampled::Logits(logits) => {
-                    let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
-                    state.sampler.sample(
-                        &mut row,
-                        &seq.tokens,
-                        seq.num_output(),
-                        state.constraint.as_ref(),
-                    )
-                }
-            };
-            let grammar_done = match (&picked, state.constraint.as_mut()) {
-                (Ok((token, _)), Some(c)) => c.accept(*token),
-                _ => Ok(false),
-            };
             let request_id = state.request_id;
-            let (token, logprobs, grammar_done) = match (picked, grammar_done) {
+            let done = grammar_done.remove(&id).unwrap_or(Ok(false));
+            let (token, logprobs, grammar_done) = match (picked, done) {
                 (Ok((token, logprobs)), Ok(done)) => (token, logprobs, done),
                 (Err(e), _) | (_, Err(e)) => {
                     tracing::warn!("request {request_id}: {e:#}");
@@ -894,8 +968,7 @@ impl<B: Backend> Engine<B> {
                     continue;
                 }
             };
-            let seq = self.scheduler.get(id).expect("checked above");
-            let num_output = seq.num_output() + 1;
+            let num_output = num_before + 1;
             let p = state.sampler.params();
             let stop_token = num_output >= p.min_tokens && state.sampler.is_stop_token(token);
             let at_length = num_output >= p.max_tokens;
@@ -916,6 +989,68 @@ impl<B: Backend> Engine<B> {
         }
         debug_assert_eq!(ready, tokens.iter().map(|t| t.id).collect::<Vec<_>>());
         tokens
+    }
+
+    /// The token of each sampled sequence still running, with its output count before:
+    /// read back, or sampled here from its logits (masked by its constraint).
+    fn picks(&mut self, sampled: Vec<SeqId>, picked: Sampled) -> Vec<Pick> {
+        let vocab = self.runner.vocab_size();
+        let mut picks = Vec::with_capacity(sampled.len());
+        for (k, id) in sampled.into_iter().enumerate() {
+            // A stop string or an abort ended this sequence while the step ran.
+            let Some(seq) = self.scheduler.get(id) else {
+                continue;
+            };
+            let state = self.seqs.get_mut(&id).expect("every sequence has state");
+            let picked = match &picked {
+                // A constrained row's token stands only where its mask did.
+                Sampled::Tokens(ids) => match state.constraint.as_ref().map(|c| c.allowed()) {
+                    Some(Err(e)) => Err(e),
+                    _ => Ok((ids[k], None)),
+                },
+                Sampled::Logits(logits) => {
+                    let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
+                    state.sampler.sample(
+                        &mut row,
+                        &seq.tokens,
+                        seq.num_output(),
+                        state.constraint.as_ref(),
+                    )
+                }
+            };
+            picks.push(Pick {
+                id,
+                num_before: seq.num_output(),
+                picked,
+            });
+        }
+        picks
+    }
+
+    /// Advances the constraints of the picked tokens' sequences, in parallel (a matcher's
+    /// step takes microseconds, hundreds of rows one after another a step's worth):
+    /// `Ok(true)` where a grammar is complete.
+    fn accept(&mut self, picks: &[Pick]) -> HashMap<SeqId, Result<bool>> {
+        let tokens: HashMap<SeqId, u32> = picks
+            .iter()
+            .filter(|p| self.seqs[&p.id].constraint.is_some())
+            .filter_map(|p| Some((p.id, p.picked.as_ref().ok()?.0)))
+            .collect();
+        if tokens.is_empty() {
+            return HashMap::new();
+        }
+        let mut rows: Vec<(SeqId, &mut Constraint, u32)> = self
+            .seqs
+            .iter_mut()
+            .filter_map(|(id, st)| Some((*id, st.constraint.as_mut()?, *tokens.get(id)?)))
+            .collect();
+        let start = Instant::now();
+        let done = rows
+            .par_iter_mut()
+            .map(|(id, c, token)| (*id, c.accept(*token)))
+            .collect();
+        self.structured_stats.accept_seconds += start.elapsed().as_secs_f64();
+        done
     }
 
     /// Detokenizes committed tokens into deltas; a stop string ends its sequence here.

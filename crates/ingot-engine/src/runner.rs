@@ -2,6 +2,7 @@
 //! metadata and returns the logits of the sampled rows.
 
 use anyhow::{ensure, Result};
+use ingot_backend::sampling::mask_words;
 use ingot_backend::{Backend, CacheLayout, DType, LogitEdit, SampleRow};
 use ingot_model::{Activations, KvCache, Model, StepBuffers};
 
@@ -51,6 +52,12 @@ pub struct ModelRunner<B: Backend> {
     /// [`LogitEdit`]s for sampling on the device, grown when a step needs more.
     logit_edits: B::Buffer,
     logit_edits_capacity: usize,
+    /// Token bitmasks of the constrained rows ([`mask_words`] words each), grown when a
+    /// step needs more rows.
+    masks: B::Buffer,
+    mask_rows_capacity: usize,
+    /// Sampled rows of the submitted step.
+    num_sampled: usize,
     /// Decode batch sizes that have run once, so their next step may be recorded.
     warm_buckets: Vec<usize>,
 }
@@ -124,6 +131,8 @@ impl<B: Backend> ModelRunner<B> {
         let sample_rows = backend.alloc(DType::I32, s * SAMPLE_ROW_WORDS)?;
         let logit_edits_capacity = 4096;
         let logit_edits = backend.alloc(DType::I32, logit_edits_capacity * EDIT_WORDS)?;
+        let mask_rows_capacity = 1;
+        let masks = backend.alloc(DType::I32, mask_words(cfg.vocab_size))?;
         Ok(ModelRunner {
             backend,
             model,
@@ -135,6 +144,9 @@ impl<B: Backend> ModelRunner<B> {
             sample_rows,
             logit_edits,
             logit_edits_capacity,
+            masks,
+            mask_rows_capacity,
+            num_sampled: 0,
             warm_buckets: vec![],
         })
     }
@@ -145,34 +157,42 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Runs one step and returns `[logits_indices.len(), vocab]` logits.
     pub fn execute(&mut self, input: &StepInput) -> Result<Vec<f32>> {
-        self.submit(input, None)?;
+        self.submit(input)?;
         self.logits(input.logits_indices.len())
     }
 
     /// Queues one step on the device and returns without waiting for it: the logits of
-    /// the sampled rows, and each row's token picked on the device — greedy, or drawn with
-    /// its [`SampleRow`] and edits when `sampling` is given.
-    pub fn submit(
-        &mut self,
-        input: &StepInput,
-        sampling: Option<(&[SampleRow], &[LogitEdit])>,
-    ) -> Result<()> {
-        self.run(input)?;
-        let Some((rows, edits)) = sampling else {
-            return Ok(());
-        };
+    /// the sampled rows, and each row's greedy token.
+    pub fn submit(&mut self, input: &StepInput) -> Result<()> {
+        self.run(input)
+    }
+
+    /// Queues, after the submitted step, a pick of each sampled row's token on the device
+    /// with its [`SampleRow`], edits and bitmask (`masks` holds the masked rows' bitmasks
+    /// back to back, [`mask_words`] words each), replacing the greedy tokens.
+    pub fn sample(&mut self, rows: &[SampleRow], edits: &[LogitEdit], masks: &[u32]) -> Result<()> {
         ensure!(
-            rows.len() == input.logits_indices.len(),
-            "one sample row per sampled token"
+            rows.len() == self.num_sampled,
+            "one sample row per sampled token of the submitted step"
         );
         let b = &self.backend;
+        let vocab = self.model.config.vocab_size;
+        let words = mask_words(vocab);
+        ensure!(
+            masks.len().is_multiple_of(words),
+            "masks of {words} words each"
+        );
         if edits.len() > self.logit_edits_capacity {
             self.logit_edits_capacity = edits.len().next_power_of_two();
             self.logit_edits = b.alloc(DType::I32, self.logit_edits_capacity * EDIT_WORDS)?;
         }
+        if masks.len() / words > self.mask_rows_capacity {
+            self.mask_rows_capacity = (masks.len() / words).next_power_of_two();
+            self.masks = b.alloc(DType::I32, self.mask_rows_capacity * words)?;
+        }
         b.upload(&mut self.sample_rows, bytemuck::cast_slice(rows))?;
         b.upload(&mut self.logit_edits, bytemuck::cast_slice(edits))?;
-        let vocab = self.model.config.vocab_size;
+        b.upload(&mut self.masks, bytemuck::cast_slice(masks))?;
         b.run_step(|| {
             b.sample(
                 &mut self.acts.logits,
@@ -180,6 +200,7 @@ impl<B: Backend> ModelRunner<B> {
                 vocab,
                 &self.sample_rows,
                 &self.logit_edits,
+                &self.masks,
                 &mut self.greedy,
             )
         });
@@ -340,6 +361,7 @@ impl<B: Backend> ModelRunner<B> {
             .max()
             .unwrap_or(0);
         st.num_logits = input.logits_indices.len() + pad;
+        self.num_sampled = input.logits_indices.len();
         let vocab = self.model.config.vocab_size;
         let (model, acts, kv, greedy) =
             (&self.model, &mut self.acts, &mut self.kv, &mut self.greedy);

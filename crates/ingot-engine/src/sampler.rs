@@ -183,7 +183,7 @@ impl Sampler {
             uniform: if greedy { 0.0 } else { self.rng.random() },
             edit_start,
             edit_end: edits.len() as u32,
-            pad: 0,
+            mask: 0,
         }
     }
 
@@ -417,9 +417,9 @@ mod tests {
                 temperature: 0.0,
                 ..row
             };
-            sample_row(&mut device_logits, &edited_only, &edits);
+            sample_row(&mut device_logits, &edited_only, &edits, None);
             assert_eq!(device_logits, host_logits, "case {case}: processed logits");
-            let token = sample_row(&mut logits.clone(), &row, &edits);
+            let token = sample_row(&mut logits.clone(), &row, &edits, None);
             if params.is_greedy() {
                 assert_eq!(token, host_token, "case {case}");
                 continue;
@@ -431,7 +431,8 @@ mod tests {
             for k in 0..draws {
                 let u = (k as f32 + 0.5) / draws as f32;
                 let mut l = logits.clone();
-                seen[sample_row(&mut l, &SampleRow { uniform: u, ..row }, &edits) as usize] += 1;
+                seen[sample_row(&mut l, &SampleRow { uniform: u, ..row }, &edits, None)
+                    as usize] += 1;
             }
             for (t, &n) in seen.iter().enumerate() {
                 let want = if cand.contains(&(t as u32)) {

@@ -177,28 +177,24 @@ impl Constraint {
         start.elapsed()
     }
 
-    /// Sets the logits of forbidden tokens to −∞. Errors if the mask failed (a grammar
-    /// past its fuel, or in an error state) or was not computed.
-    pub fn apply(&self, logits: &mut [f32]) -> Result<()> {
+    /// The next token's bitmask (bit `t % 32` of word `t / 32` allows token `t`), or `None`
+    /// while the model reasons and every token is allowed. Errors if the mask failed (a
+    /// grammar past its fuel, or in an error state) or was not computed.
+    pub fn allowed(&self) -> Result<Option<&[u32]>> {
         if !self.is_active() {
-            return Ok(());
+            return Ok(None);
         }
-        let mask = match &self.mask {
-            Some(Ok(m)) => m,
-            Some(Err(e)) => return Err(anyhow!("structured output failed: {e}")),
-            None => return Err(anyhow!("structured output: no mask for this step")),
-        };
-        let words = mask.as_slice();
-        for (w, chunk) in logits.chunks_mut(32).enumerate() {
-            let bits = words.get(w).copied().unwrap_or(0);
-            if bits == u32::MAX {
-                continue;
-            }
-            for (b, x) in chunk.iter_mut().enumerate() {
-                if bits & (1 << b) == 0 {
-                    *x = f32::NEG_INFINITY;
-                }
-            }
+        match &self.mask {
+            Some(Ok(m)) => Ok(Some(m.as_slice())),
+            Some(Err(e)) => Err(anyhow!("structured output failed: {e}")),
+            None => Err(anyhow!("structured output: no mask for this step")),
+        }
+    }
+
+    /// Sets the logits of forbidden tokens to −∞; errors as [`allowed`](Self::allowed).
+    pub fn apply(&self, logits: &mut [f32]) -> Result<()> {
+        if let Some(mask) = self.allowed()? {
+            ingot_backend::sampling::apply_mask(logits, mask);
         }
         Ok(())
     }

@@ -203,3 +203,10 @@ fn cpu_and_cuda_engines_agree_in_f32() {
 fn seeded_sampling_on_the_device() {
     common::seeded_sampling_on_the_device(gpu(), 6);
 }
+
+/// Structured-output masks in the CUDA sampling kernel: the CPU engine's greedy tokens.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn constrained_greedy_on_the_device_matches_the_cpu() {
+    common::constrained_greedy_on_the_device_matches_the_cpu(gpu());
+}

@@ -84,6 +84,12 @@ fn seeded_sampling_on_the_device() {
     common::seeded_sampling_on_the_device(gpu(), 3);
 }
 
+/// Structured-output masks in the `sample` shader: the CPU engine's greedy tokens.
+#[test]
+fn constrained_greedy_on_the_device_matches_the_cpu() {
+    common::constrained_greedy_on_the_device_matches_the_cpu(gpu());
+}
+
 /// A device whose buffers hold 384 KiB: the embedding table, the output projection and the
 /// MLP matrices of this synthetic model go in several buffers each (rows split over
 /// parts), and its logits still match the CPU's.

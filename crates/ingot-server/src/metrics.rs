@@ -269,6 +269,11 @@ impl Metrics {
             "Wall time of each step's structured-output masks (computed in parallel while the device runs the step), summed over steps",
             s.structured.step_seconds,
         );
+        seconds(
+            "ingot:structured_output_accept_seconds",
+            "Wall time of advancing each step's structured-output grammars past their new tokens (in parallel), summed over steps",
+            s.structured.accept_seconds,
+        );
         let mut out = String::with_capacity(16 << 10);
         // Writing into a String cannot fail.
         let _ = encode_registry(&mut out, &engine)

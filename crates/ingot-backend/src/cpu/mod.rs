@@ -485,18 +485,22 @@ impl Backend for CpuBackend {
         vocab: usize,
         params: &CpuBuffer,
         edits: &CpuBuffer,
+        masks: &CpuBuffer,
         out: &mut CpuBuffer,
     ) {
         let _t = self.profile.time(|| "sample".into());
         let params: &[SampleRow] =
             bytemuck::cast_slice(&params.bytes()[..rows * size_of::<SampleRow>()]);
         let edits: &[LogitEdit] = bytemuck::cast_slice(edits.bytes());
+        let masks: &[u32] = bytemuck::cast_slice(masks.bytes());
+        let words = crate::sampling::mask_words(vocab);
         let ids: Vec<i32> = logits.f32_mut()[..rows * vocab]
             .chunks_mut(vocab)
             .zip(params)
             .map(|(row, p)| {
                 let e = &edits[p.edit_start as usize..p.edit_end as usize];
-                crate::sampling::sample_row(row, p, e) as i32
+                let mask = (p.mask > 0).then(|| &masks[(p.mask as usize - 1) * words..][..words]);
+                crate::sampling::sample_row(row, p, e, mask) as i32
             })
             .collect();
         out.i32_mut()[..rows].copy_from_slice(&ids);

@@ -1234,12 +1234,20 @@ impl Backend for CudaBackend {
         vocab: usize,
         params: &CudaBuffer,
         edits: &CudaBuffer,
+        masks: &CudaBuffer,
         out: &mut CudaBuffer,
     ) {
         assert_eq!(logits.dtype, DType::F32, "sample reads f32 logits");
-        let (l, v, p, e, o) = (logits.ptr, vocab as i32, params.ptr, edits.ptr, out.ptr);
+        let (l, v, p, e, m, o) = (
+            logits.ptr,
+            vocab as i32,
+            params.ptr,
+            edits.ptr,
+            masks.ptr,
+            out.ptr,
+        );
         // SAMPLE_WARPS warps, as the kernel's histograms are laid out.
-        launch!(self, "sample_rows".to_string(), (rows as u32, 1, 1), 512; l, v, p, e, o);
+        launch!(self, "sample_rows".to_string(), (rows as u32, 1, 1), 512; l, v, p, e, m, o);
     }
 
     fn samples_on_device(&self) -> bool {

@@ -1361,6 +1361,7 @@ impl Backend for WgpuBackend {
         vocab: usize,
         params: &WgpuBuffer,
         edits: &WgpuBuffer,
+        masks: &WgpuBuffer,
         out: &mut WgpuBuffer,
     ) {
         assert!(vocab < 1 << 21, "sampling over a vocabulary of {vocab}");
@@ -1374,6 +1375,7 @@ impl Backend for WgpuBackend {
                 (2, &out.buf),
                 (3, &params.buf),
                 (4, &edits.buf),
+                (5, &masks.buf),
             ],
             rows,
         );

@@ -1406,20 +1406,23 @@ fn sample_on<B: Backend>(
     b: &B,
     rows: &[SampleRow],
     edits: &[LogitEdit],
+    masks: &[u32],
     logits: &[f32],
     vocab: usize,
 ) -> (Vec<i32>, Vec<f32>) {
     let mut l = up(b, logits, DType::F32);
     let p = up_i32(b, bytemuck::cast_slice(rows));
     let e = up_i32(b, bytemuck::cast_slice(edits));
+    let m = up_i32(b, bytemuck::cast_slice(masks));
     let mut out = b.alloc(DType::I32, rows.len()).unwrap();
-    b.sample(&mut l, rows.len(), vocab, &p, &e, &mut out);
+    b.sample(&mut l, rows.len(), vocab, &p, &e, &m, &mut out);
     let ids = b.download_i32(&out, rows.len()).unwrap();
     (ids, b.download_f32(&l, logits.len()).unwrap())
 }
 
 /// Sampling on the device picks the CPU reference's token for the same uniform draws:
-/// edits, argmax, top-k, top-p and min-p alone and together, on real vocab sizes.
+/// edits, structured-output masks, argmax, top-k, top-p and min-p alone and together, on
+/// real and odd vocab sizes.
 ///
 /// With `exact` (CUDA: IEEE division, `expf` within 2 ulp) the edited logits are the CPU's
 /// bit for bit and every token is the CPU's. Without it (WGSL allows 2.5 ulp divisions and
@@ -1433,6 +1436,8 @@ pub fn sampling_picks_the_cpu_reference_token<G: Backend>(g: &G, exact: bool) {
     for vocab in [7, 1000, 1025, 49152, 128256] {
         let mut rows = vec![];
         let mut edits = vec![];
+        let words = sampling::mask_words(vocab);
+        let mut masks: Vec<u32> = vec![];
         for r in 0..40 {
             let start = edits.len() as u32;
             let mut tokens: Vec<u32> = (0..vocab as u32).collect();
@@ -1457,15 +1462,32 @@ pub fn sampling_picks_the_cpu_reference_token<G: Backend>(g: &G, exact: bool) {
                 uniform: rng.random_range(0.0..1.0),
                 edit_start: start,
                 edit_end: edits.len() as u32,
-                pad: 0,
+                mask: 0,
             });
+            // Every other row masked: half the tokens, one in a hundred, or a few at the
+            // end of the vocabulary (the last word partly past it).
+            if r % 2 == 1 {
+                let mut mask = vec![0u32; words];
+                for t in 0..vocab {
+                    let allowed = match r % 3 {
+                        0 => rng.random_bool(0.5),
+                        1 => t == r % vocab || rng.random_bool(0.01),
+                        _ => t + 3 >= vocab,
+                    };
+                    if allowed {
+                        mask[t / 32] |= 1 << (t % 32);
+                    }
+                }
+                masks.extend(mask);
+                rows.last_mut().unwrap().mask = (masks.len() / words) as u32;
+            }
         }
         let n = rows.len();
         let logits: Vec<f32> = (0..n * vocab)
             .map(|_| rng.random_range(-8.0f32..8.0))
             .collect();
-        let (got, got_logits) = sample_on(g, &rows, &edits, &logits, vocab);
-        let (want, want_logits) = sample_on(&c, &rows, &edits, &logits, vocab);
+        let (got, got_logits) = sample_on(g, &rows, &edits, &masks, &logits, vocab);
+        let (want, want_logits) = sample_on(&c, &rows, &edits, &masks, &logits, vocab);
         // Greedy rows keep the edited logits; drawn rows their probabilities, which differ
         // by the last bits of the exponentials.
         for (r, p) in rows.iter().enumerate() {
@@ -1492,6 +1514,18 @@ pub fn sampling_picks_the_cpu_reference_token<G: Backend>(g: &G, exact: bool) {
                 sampling::draw(gl, p, best) as i32
             };
             assert_eq!(got[r], want, "vocab {vocab}, row {r}: {p:?}");
+            if p.mask > 0 {
+                let mask = &masks[(p.mask as usize - 1) * words..][..words];
+                let allowed = |t: usize| mask[t / 32] & (1 << (t % 32)) != 0;
+                // Edits may rule out every allowed token (−∞, or probability 0).
+                let ruled_out =
+                    |x: f32| x == f32::NEG_INFINITY || (p.temperature > 0.0 && x == 0.0);
+                let t = got[r] as usize;
+                assert!(
+                    allowed(t) || (0..vocab).filter(|&u| allowed(u)).all(|u| ruled_out(wl[u])),
+                    "vocab {vocab}, row {r}: token {t} is masked out"
+                );
+            }
         }
     }
 }

@@ -428,3 +428,93 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: 
     );
     assert!(forced.iter().all(|t| t == &[42; 5]), "{forced:?}");
 }
+
+/// Structured output sampled on `backend`'s device (the masks in its sampling kernel) gives
+/// the tokens the CPU engine picks on the host, greedy, for a JSON schema, a regex and a
+/// choice sharing steps with an unconstrained row; a seeded draw under a JSON-object
+/// constraint gives JSON.
+pub fn constrained_greedy_on_the_device_matches_the_cpu<B: Backend + 'static>(backend: B) {
+    use ingot_core::{SamplingParams, StructuredOutput};
+    use ingot_engine::{Engine, EngineConfig};
+    use serde_json::json;
+    use std::sync::Arc;
+    assert!(
+        backend.samples_on_device(),
+        "{} samples on the host",
+        backend.name()
+    );
+    let path = ingot_model::testing::test_model_path().expect("the test model (INGOT_TEST_MODEL)");
+    let config = EngineConfig {
+        max_num_seqs: Some(8),
+        max_model_len: Some(1024),
+        kv_cache_memory: Some(256 << 20),
+        ..EngineConfig::default()
+    };
+    let cpu = cpu_reference_of(&backend);
+    let (m, t) = ingot_model::load(&cpu, &path, WeightDType::F32).unwrap();
+    let mut ce = Engine::new(cpu, m, Arc::new(t), config.clone()).unwrap();
+    let (m, t) = ingot_model::load(&backend, &path, WeightDType::F32).unwrap();
+    let mut ge = Engine::new(backend, m, Arc::new(t), config).unwrap();
+    let person = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150}
+        },
+        "required": ["name", "age"],
+        "additionalProperties": false
+    });
+    let specs = [
+        Some(StructuredOutput::JsonSchema(person)),
+        Some(StructuredOutput::Regex(
+            "[A-Z][a-z]{1,8} is [0-9]{1,3}".into(),
+        )),
+        Some(StructuredOutput::Choice(vec![
+            "yes".into(),
+            "no".into(),
+            "maybe".into(),
+        ])),
+        None,
+    ];
+    let ps: Vec<Vec<u32>> = cases()
+        .iter()
+        .cycle()
+        .take(specs.len())
+        .map(|c| c.prompt.clone())
+        .collect();
+    let params: Vec<SamplingParams> = specs
+        .iter()
+        .map(|s| SamplingParams {
+            structured: s.clone(),
+            ..SamplingParams::greedy(24)
+        })
+        .collect();
+    let want = ce.generate(ps.clone(), &params).unwrap();
+    let got = ge.generate(ps.clone(), &params).unwrap();
+    for ((g, w), s) in got.iter().zip(&want).zip(&specs) {
+        let (g, w) = (&g.completions[0], &w.completions[0]);
+        assert_eq!(g.token_ids, w.token_ids, "{s:?}");
+        assert_eq!(g.text, w.text, "{s:?}");
+    }
+    let choice = &got[2].completions[0].text;
+    assert!(
+        ["yes", "no", "maybe"].contains(&choice.as_str()),
+        "{choice}"
+    );
+    let drawn = SamplingParams {
+        temperature: 0.8,
+        seed: Some(5),
+        structured: Some(StructuredOutput::JsonObject),
+        max_tokens: 48,
+        ..SamplingParams::default()
+    };
+    let out = ge.generate(vec![ps[0].clone()], &[drawn]).unwrap();
+    let c = &out[0].completions[0];
+    if c.finish_reason == Some(ingot_core::FinishReason::Stop) {
+        let v: serde_json::Value =
+            serde_json::from_str(&c.text).unwrap_or_else(|e| panic!("`{}`: {e}", c.text));
+        assert!(v.is_object(), "{}", c.text);
+    } else {
+        assert!(c.text.starts_with('{'), "{}", c.text);
+    }
+}

@@ -458,7 +458,7 @@ fn event_end(buf: &[u8]) -> Option<usize> {
 }
 
 /// ingot's structured-output counters from `/metrics`, where the server has them.
-async fn mask_counters(client: &reqwest::Client, base: &str) -> Option<[f64; 4]> {
+async fn mask_counters(client: &reqwest::Client, base: &str) -> Option<[f64; 5]> {
     let text = client
         .get(format!("{base}/metrics"))
         .send()
@@ -476,12 +476,14 @@ async fn mask_counters(client: &reqwest::Client, base: &str) -> Option<[f64; 4]>
         value("ingot:structured_output_mask_steps_total")?,
         value("ingot:structured_output_mask_seconds_total")?,
         value("ingot:structured_output_mask_step_seconds_total")?,
+        value("ingot:structured_output_accept_seconds_total")?,
     ])
 }
 
-/// The masks a run computed and their time per token and per step, from the counters
+/// The masks a run computed and their time per token and per step, and the time per step
+/// of advancing the grammars, from the counters
 /// before and after it.
-fn mask_report(before: &[f64; 4], after: &[f64; 4]) -> Value {
+fn mask_report(before: &[f64; 5], after: &[f64; 5]) -> Value {
     let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
     let per = |t: f64, n: f64| {
         if n > 0.0 {
@@ -495,6 +497,7 @@ fn mask_report(before: &[f64; 4], after: &[f64; 4]) -> Value {
         "steps": d[1],
         "mask_us_per_token": per(d[2], d[0]),
         "mask_us_per_step": per(d[3], d[1]),
+        "accept_us_per_step": per(d[4], d[1]),
     })
 }
 
@@ -600,11 +603,12 @@ fn print_report(r: &Value) {
     if !so.is_null() {
         let g = |k: &str| so[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "  structured output: {} masks in {} steps, {:.1} µs per mask, {:.1} µs per step",
+            "  structured output: {} masks in {} steps, {:.1} µs per mask, {:.1} µs per step; grammars advanced in {:.1} µs per step",
             g("masks"),
             g("steps"),
             g("mask_us_per_token"),
-            g("mask_us_per_step")
+            g("mask_us_per_step"),
+            g("accept_us_per_step")
         );
     }
 }

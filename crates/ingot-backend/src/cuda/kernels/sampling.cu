@@ -88,7 +88,7 @@ struct SampleRow {
     float uniform;
     u32 edit_start;
     u32 edit_end;
-    u32 pad;
+    u32 mask;  // 1 + the row's bitmask in `masks`, or 0
 };
 
 struct LogitEdit {
@@ -203,11 +203,12 @@ __device__ u32 radix_select(const float* x, int vocab, u32 floor, u64 target,
     return prefix;
 }
 
-// One block of SAMPLE_WARPS warps per row: edits, then the argmax (temperature 0) or a
-// draw among the tokens top-k, top-p and min-p keep, walking them in id order. The row of
-// `logits` is left holding the edited logits (temperature 0) or the relative probabilities.
+// One block of SAMPLE_WARPS warps per row: edits, the structured-output mask (bit t of a
+// row's bitmask allows token t), then the argmax (temperature 0) or a draw among the tokens
+// top-k, top-p and min-p keep, walking them in id order. The row of `logits` is left
+// holding the edited, masked logits (temperature 0) or the relative probabilities.
 extern "C" __global__ void sample_rows(float* logits, int vocab, const SampleRow* rows,
-                                       const LogitEdit* edits, int* out) {
+                                       const LogitEdit* edits, const u32* masks, int* out) {
     await_previous_kernel();
     __shared__ u64 hist[SAMPLE_WARPS][256];
     __shared__ u64 scratch[32];
@@ -224,6 +225,14 @@ extern "C" __global__ void sample_rows(float* logits, int vocab, const SampleRow
         x[ed.token] = v - ed.subtract;
     }
     __syncthreads();
+    if (p.mask > 0) {
+        // The 32 lanes of a warp read one word: one broadcast load per 32 tokens.
+        const u32* m = masks + (long long)(p.mask - 1) * ((vocab + 31) >> 5);
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            if (!((m[i >> 5] >> (i & 31)) & 1u)) x[i] = NEG_INF;
+        }
+        __syncthreads();
+    }
 
     float max;
     int argmax;

@@ -1,6 +1,6 @@
 // Token selection on the device, so a step sends back token ids instead of logits. One
 // workgroup per row: `argmax` takes the first index of the row's largest logit; `sample`
-// applies the row's edits, then takes the argmax (temperature 0) or draws as
+// applies the row's edits and structured-output mask, then takes the argmax (temperature 0) or draws as
 // crate::sampling::sample_row does. The draw's thresholds are integer keys of the relative
 // probabilities found by radix select, and probability mass is summed in 2^-40 fixed point
 // as two-word integers (WGSL has no 64-bit types): every sum is exact, so the draw picks
@@ -16,7 +16,8 @@ struct SampleRow {
     uniform: f32,
     edit_start: u32,
     edit_end: u32,
-    pad: u32,
+    // 1 + the row's bitmask in `masks` (bit t allows token t), or 0.
+    mask: u32,
 }
 
 struct LogitEdit { token: u32, bias: f32, repetition: f32, subtract: f32 }
@@ -26,6 +27,7 @@ struct LogitEdit { token: u32, bias: f32, repetition: f32, subtract: f32 }
 @group(0) @binding(2) var<storage, read_write> out: array<i32>;
 @group(0) @binding(3) var<storage, read> params: array<SampleRow>;
 @group(0) @binding(4) var<storage, read> edits: array<LogitEdit>;
+@group(0) @binding(5) var<storage, read> masks: array<u32>;
 
 const NONE: u32 = 0xffffffffu;
 var<workgroup> best_v: array<f32, WG>;
@@ -293,6 +295,15 @@ fn sample(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: ve
         let v = logits[base + ed.token] + ed.bias;
         let r = select(v * ed.repetition, v / ed.repetition, v > 0.0);
         logits[base + ed.token] = r - ed.subtract;
+    }
+    storageBarrier();
+    if (sp.mask > 0u) {
+        let m = (sp.mask - 1u) * ((p.vocab + 31u) / 32u);
+        for (var i = lid; i < p.vocab; i += WG) {
+            if (((masks[m + i / 32u] >> (i % 32u)) & 1u) == 0u) {
+                logits[base + i] = bitcast<f32>(0xff800000u);
+            }
+        }
     }
     storageBarrier();
     let best = row_argmax(base, lid);
