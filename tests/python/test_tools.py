@@ -60,11 +60,14 @@ def streamed(stream):
         c = chunk.choices[0]
         content += c.delta.content or ""
         for t in c.delta.tool_calls or []:
-            call = calls.setdefault(t.index, {"id": None, "name": None, "arguments": ""})
-            call["id"] = t.id or call["id"]
-            if t.function:
-                call["name"] = t.function.name or call["name"]
-                call["arguments"] += t.function.arguments or ""
+            if t.index not in calls:
+                # A call's first piece carries its id and name.
+                assert t.id and t.function and t.function.name, t
+                calls[t.index] = {"id": t.id, "name": t.function.name, "arguments": "", "fragments": 0}
+            call = calls[t.index]
+            if t.function and t.function.arguments:
+                call["arguments"] += t.function.arguments
+                call["fragments"] += 1
         finish = c.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -92,17 +95,21 @@ def test_required_and_named_choices_always_call(client, temperature):
 
 
 def test_streamed_calls(client):
+    """Streamed calls come as id and name, then argument fragments, and put together they
+    are the calls of the same answer unstreamed."""
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        content, calls, finish = streamed(client.chat.completions.create(
-            model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
-            max_tokens=120, stream=True,
-        ))
+        request = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice=choice,
+                       temperature=0, max_tokens=120)
+        content, calls, finish = streamed(client.chat.completions.create(stream=True, **request))
         assert content == ""
         assert calls and finish in ("tool_calls", "stop")
         for call in calls:
             assert call["id"].startswith("call_")
-            assert call["name"] in ("get_weather", "get_time")
-            json.loads(call["arguments"])
+            assert call["fragments"] > 1, call
+        whole = client.chat.completions.create(**request).choices[0].message.tool_calls
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in whole
+        ]
 
 
 def test_none_and_default_answer_in_text(client):

@@ -17,6 +17,7 @@ pub mod reasoning;
 mod response;
 mod streaming;
 mod timing;
+pub mod tool_stream;
 pub mod tools;
 
 use crate::error::ApiError;

@@ -1,10 +1,11 @@
-//! OpenAI request bodies with vLLM's extra sampling fields. Unknown fields are rejected
-//! by name; fields ingot knows but does not implement are rejected in `validate`.
+//! The OpenAI wire protocol: request bodies with vLLM's extra sampling fields (unknown
+//! fields are rejected by name; fields ingot knows but does not implement are rejected in
+//! `validate`), and the response bodies and streamed chunks the server sends back.
 
 use ingot_core::{SamplingParams, StructuredOutput};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::error::ApiError;
 
@@ -448,4 +449,149 @@ pub fn parse<T: WithSampling>(body: &[u8], fields: &[&str]) -> Result<T, ApiErro
     let mut req: T = from_value(&value)?;
     *req.sampling_mut() = from_value(&value)?;
     Ok(req)
+}
+
+/// Token counts of a response (or, streamed, of the whole request).
+#[derive(Serialize, Debug, Clone, Copy)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// A whole response or a streamed chunk: `choices` of the endpoint's kind.
+#[derive(Serialize, Debug)]
+pub struct Response<C> {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<C>,
+    /// Always in a whole response; in a stream, only in the last chunk and where asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// A `/v1/completions` choice, whole or streamed.
+#[derive(Serialize, Debug)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// Completions' logprobs: per token its text, its logprob and the most likely tokens'.
+#[derive(Serialize, Debug)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+}
+
+/// A whole `/v1/chat/completions` choice.
+#[derive(Serialize, Debug)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The answer of a whole chat response.
+#[derive(Serialize, Debug)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: Option<String>,
+    /// With a reasoning parser: the thinking (`null` where there was none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<Option<String>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<MessageToolCall>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct MessageToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: CalledFunctionOut,
+}
+
+/// A call's function: its name and its arguments as JSON text.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct CalledFunctionOut {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// Chat logprobs: per token its text, bytes, logprob and the most likely tokens'.
+#[derive(Serialize, Debug)]
+pub struct ChatLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// A streamed chat choice: what its answer gained.
+#[derive(Serialize, Debug)]
+pub struct ChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// What a streamed chunk adds to a chat answer; the role comes with the first.
+#[derive(Serialize, Debug, Default)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<DeltaToolCall>,
+}
+
+/// A streamed piece of a call: the id, type and name in its first, then arguments text.
+#[derive(Serialize, Debug)]
+pub struct DeltaToolCall {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: DeltaFunction,
+}
+
+#[derive(Serialize, Debug)]
+pub struct DeltaFunction {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }

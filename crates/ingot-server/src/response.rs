@@ -3,16 +3,20 @@
 
 use crate::admission::*;
 use crate::error::ApiError;
+use crate::protocol::{
+    AssistantMessage, ChatChoice, ChatLogprobs, CompletionChoice, CompletionLogprobs, Response,
+    TokenLogprob, TopLogprob, Usage,
+};
 use crate::reasoning::{ReasoningParser, ReasoningSplit};
 use crate::tools::{self, ToolMode};
 use crate::{now, AppState};
+use axum::response::IntoResponse;
 use axum::Json;
 use ingot_engine::TokenLogprobs;
-use serde_json::{json, Value};
 use std::sync::Arc;
 
 /// Which OpenAI response shape a generation is rendered in.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Completion,
     Chat,
@@ -51,35 +55,68 @@ pub(crate) fn token_text(state: &AppState, id: u32) -> String {
         .unwrap_or_default()
 }
 
-pub(crate) fn logprobs_json(state: &AppState, kind: Kind, lps: &[TokenLogprobs]) -> Value {
-    if lps.is_empty() {
-        return Value::Null;
-    }
-    match kind {
-        Kind::Completion => json!({
-            "tokens": lps.iter().map(|l| token_text(state, l.token)).collect::<Vec<_>>(),
-            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (token_text(state, *t), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
-        }),
-        Kind::Chat => json!({
-            "content": lps.iter().map(|l| {
-                let tok = token_text(state, l.token);
-                json!({
-                    "token": tok,
-                    "logprob": l.logprob,
-                    "bytes": tok.as_bytes(),
-                    "top_logprobs": l.top.iter().map(|(t, p)| {
-                        let s = token_text(state, *t);
-                        json!({"token": s, "logprob": p, "bytes": s.as_bytes()})
-                    }).collect::<Vec<_>>(),
-                })
-            }).collect::<Vec<_>>()
-        }),
-    }
+/// Completions' logprobs of `lps` (none where no token has them).
+pub(crate) fn completion_logprobs(
+    state: &AppState,
+    lps: &[TokenLogprobs],
+) -> Option<CompletionLogprobs> {
+    (!lps.is_empty()).then(|| CompletionLogprobs {
+        tokens: lps.iter().map(|l| token_text(state, l.token)).collect(),
+        token_logprobs: lps.iter().map(|l| l.logprob).collect(),
+        top_logprobs: lps
+            .iter()
+            .map(|l| {
+                l.top
+                    .iter()
+                    .map(|&(t, p)| (token_text(state, t), p))
+                    .collect()
+            })
+            .collect(),
+    })
 }
 
-pub(crate) fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// Chat logprobs of `lps` (none where no token has them).
+pub(crate) fn chat_logprobs(state: &AppState, lps: &[TokenLogprobs]) -> Option<ChatLogprobs> {
+    let top = |t: u32, logprob: f32| {
+        let token = token_text(state, t);
+        TopLogprob {
+            bytes: token.as_bytes().to_vec(),
+            token,
+            logprob,
+        }
+    };
+    (!lps.is_empty()).then(|| ChatLogprobs {
+        content: lps
+            .iter()
+            .map(|l| {
+                let TopLogprob {
+                    token,
+                    logprob,
+                    bytes,
+                } = top(l.token, l.logprob);
+                TokenLogprob {
+                    token,
+                    logprob,
+                    bytes,
+                    top_logprobs: l.top.iter().map(|&(t, p)| top(t, p)).collect(),
+                }
+            })
+            .collect(),
+    })
+}
+
+impl Job {
+    /// A response or chunk of this job with `choices`.
+    pub(crate) fn response<C>(&self, chunk: bool, choices: Vec<C>) -> Response<C> {
+        Response {
+            id: self.id.clone(),
+            object: self.kind.object(chunk),
+            created: now(),
+            model: self.model.clone(),
+            choices,
+            usage: None,
+        }
+    }
 }
 
 /// Runs a job to completion and renders one response.
@@ -87,8 +124,9 @@ pub(crate) async fn collect(
     state: Arc<AppState>,
     job: Job,
     subs: Vec<Submitted>,
-) -> Result<Json<Value>, ApiError> {
-    let mut choices = vec![];
+) -> Result<axum::response::Response, ApiError> {
+    let mut completions = vec![];
+    let mut chats = vec![];
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
     for mut sub in subs {
         prompt_tokens += sub.prompt.len();
@@ -108,69 +146,68 @@ pub(crate) async fn collect(
         sub.timing.finish(&job.id);
         for (i, (text, lps, finish)) in samples.into_iter().enumerate() {
             let index = sub.prompt_index * job.n + i;
-            let logprobs = logprobs_json(&state, job.kind, &lps);
-            choices.push(match job.kind {
+            match job.kind {
                 Kind::Completion => {
-                    let text = format!("{}{text}", job.echo.get(sub.prompt_index).map_or("", String::as_str));
-                    json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                    let echo = job.echo.get(sub.prompt_index).map_or("", String::as_str);
+                    completions.push(CompletionChoice {
+                        index,
+                        text: format!("{echo}{text}"),
+                        logprobs: completion_logprobs(&state, &lps),
+                        finish_reason: finish,
+                    });
                 }
                 Kind::Chat => {
-                    let (message, finish) = chat_message(&job, text, finish);
-                    json!({
-                        "index": index,
-                        "message": message,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                    })
+                    let (message, finish_reason) = chat_message(&job, text, finish);
+                    chats.push(ChatChoice {
+                        index,
+                        message,
+                        logprobs: chat_logprobs(&state, &lps),
+                        finish_reason,
+                    });
                 }
-            });
+            }
         }
     }
-    Ok(Json(json!({
-        "id": job.id,
-        "object": job.kind.object(false),
-        "created": now(),
-        "model": job.model,
-        "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
-    })))
+    let usage = Some(Usage::new(prompt_tokens, completion_tokens));
+    Ok(match job.kind {
+        Kind::Completion => Json(Response {
+            usage,
+            ..job.response(false, completions)
+        })
+        .into_response(),
+        Kind::Chat => Json(Response {
+            usage,
+            ..job.response(false, chats)
+        })
+        .into_response(),
+    })
 }
 
 /// A chat answer as OpenAI's message, its tool calls parsed out, and its finish reason
 /// (`tool_calls` where the model chose to call; a length cut stays `length`).
-pub(crate) fn chat_message<'a>(
+pub(crate) fn chat_message(
     job: &Job,
     text: String,
-    finish: Option<&'a str>,
-) -> (Value, Option<&'a str>) {
+    finish: Option<&'static str>,
+) -> (AssistantMessage, Option<&'static str>) {
     let (reasoning, text) = match job.reasoning {
         Some(parser) => ReasoningSplit::split(parser, &text),
         None => (None, text),
     };
     let mode = &job.tools;
-    let (mut message, finish) = if *mode == ToolMode::Text || finish == Some("length") {
-        (json!({"role": "assistant", "content": text}), finish)
+    let (content, tool_calls, finish) = if *mode == ToolMode::Text || finish == Some("length") {
+        (Some(text), vec![], finish)
     } else {
-        tool_message(mode, &text, finish)
+        let (content, calls) = tools::parse(mode, &text);
+        let calls = tools::message_calls(calls);
+        let finish = tools::finish_reason(mode, !calls.is_empty(), finish);
+        (content, calls, finish)
     };
-    if job.reasoning.is_some() {
-        message["reasoning_content"] = json!(reasoning);
-    }
-    (message, finish)
-}
-
-/// An answer parsed for tool calls, as OpenAI's message.
-fn tool_message<'a>(
-    mode: &ToolMode,
-    text: &str,
-    finish: Option<&'a str>,
-) -> (Value, Option<&'a str>) {
-    let (content, calls) = tools::parse(mode, text);
-    let calls = tools::calls_json(calls);
-    let finish = tools::finish_reason(mode, !calls.is_empty(), finish);
-    let mut message = json!({"role": "assistant", "content": content});
-    if !calls.is_empty() {
-        message["tool_calls"] = Value::from(calls);
-    }
+    let message = AssistantMessage {
+        role: "assistant",
+        content,
+        reasoning_content: job.reasoning.is_some().then_some(reasoning),
+        tool_calls,
+    };
     (message, finish)
 }

@@ -2,22 +2,27 @@
 //! streamed as OpenAI's clients put them together, ending in `data: [DONE]`.
 
 use crate::admission::*;
+use crate::protocol::{
+    ChunkChoice, CompletionChoice, Delta, DeltaFunction, DeltaToolCall, Response, Usage,
+};
 use crate::reasoning::ReasoningSplit;
 use crate::response::*;
-use crate::tools::{self, AutoStream, ToolMode};
-use crate::{now, AppState};
+use crate::tool_stream::{CallDelta, ToolStream};
+use crate::tools::{self, ToolMode};
+use crate::AppState;
 use axum::response::sse::{Event as SseEvent, Sse};
 use futures_util::stream::{self, Stream, StreamExt};
 use ingot_core::FinishReason;
 use ingot_engine::SeqDelta;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::json;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// A streamed chunk of `job` carrying `choices`.
-fn envelope(job: &Job, choices: Value) -> Value {
-    json!({"id": job.id, "object": job.kind.object(true), "created": now(), "model": job.model, "choices": choices})
+/// The event data of a chunk of `job` carrying `choices`.
+fn data<C: Serialize>(job: &Job, choices: Vec<C>) -> String {
+    serde_json::to_string(&job.response(true, choices)).expect("chunks serialize")
 }
 
 /// One streamed chunk for one sample's delta.
@@ -27,10 +32,9 @@ pub(crate) fn chunk(
     prompt_index: usize,
     d: &SeqDelta,
     first: bool,
-) -> Value {
+) -> String {
     let index = prompt_index * job.n + d.index;
-    let logprobs = logprobs_json(state, job.kind, &d.logprobs);
-    let finish = d.finish_reason.map(FinishReason::as_str);
+    let finish_reason = d.finish_reason.map(FinishReason::as_str);
     match job.kind {
         Kind::Completion => {
             let echo = if first {
@@ -38,22 +42,29 @@ pub(crate) fn chunk(
             } else {
                 ""
             };
-            envelope(
+            data(
                 job,
-                json!([{"index": index, "text": format!("{echo}{}", d.text), "logprobs": logprobs, "finish_reason": finish}]),
+                vec![CompletionChoice {
+                    index,
+                    text: format!("{echo}{}", d.text),
+                    logprobs: completion_logprobs(state, &d.logprobs),
+                    finish_reason,
+                }],
             )
         }
-        Kind::Chat => {
-            let delta = if first {
-                json!({"role": "assistant", "content": d.text})
-            } else {
-                json!({"content": d.text})
-            };
-            envelope(
-                job,
-                json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]),
-            )
-        }
+        Kind::Chat => data(
+            job,
+            vec![ChunkChoice {
+                index,
+                delta: Delta {
+                    role: first.then_some("assistant"),
+                    content: Some(d.text.clone()),
+                    ..Delta::default()
+                },
+                logprobs: chat_logprobs(state, &d.logprobs),
+                finish_reason,
+            }],
+        ),
     }
 }
 
@@ -64,16 +75,15 @@ pub(crate) struct Streaming {
     sub: Submitted,
     /// Samples whose first chunk went out.
     started: Vec<bool>,
-    /// Per sample: the text held back to be parsed for tool calls (all of it for
-    /// `required`, from a possible call on for `auto`).
-    held: Vec<AutoStream>,
+    /// Per sample: its answer read for tool calls (`auto` and `required`).
+    calls: Vec<ToolStream>,
     /// Per sample: its thinking told from its answer, with a reasoning parser.
     thinking: Vec<Option<ReasoningSplit>>,
     completion_tokens: Arc<AtomicU64>,
 }
 
 /// The next chunk to send, if any (text held back for tool-call parsing sends none).
-pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Streaming)> {
+pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<String>, Streaming)> {
     match s.sub.events.recv().await {
         Some(Ok(d)) => {
             s.sub.timing.token(&d);
@@ -99,36 +109,45 @@ pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Strea
                 }
                 None => (d, String::new()),
             };
-            let mut v = match &s.job.tools {
-                ToolMode::Named(name) => {
-                    let first = !std::mem::replace(&mut s.started[d.index], true);
-                    Some(named_call_chunk(&s, &d, name, first))
-                }
-                ToolMode::Required | ToolMode::Auto(_) => held_chunk(&mut s, &d, index),
-                ToolMode::Text => {
-                    let first = !std::mem::replace(&mut s.started[d.index], true);
-                    Some(chunk(&s.state, &s.job, s.sub.prompt_index, &d, first))
-                }
+            if s.job.kind == Kind::Completion {
+                let first = !std::mem::replace(&mut s.started[d.index], true);
+                let v = chunk(&s.state, &s.job, s.sub.prompt_index, &d, first);
+                return Some((Some(v), s));
+            }
+            let mut choice = match &s.job.tools {
+                ToolMode::Named(name) => Some(named_call_choice(&s, &d, name, index)),
+                ToolMode::Required | ToolMode::Auto(_) => call_choice(&mut s, &d, index),
+                ToolMode::Text => Some(ChunkChoice {
+                    index,
+                    delta: Delta {
+                        content: Some(d.text.clone()),
+                        ..Delta::default()
+                    },
+                    logprobs: chat_logprobs(&s.state, &d.logprobs),
+                    finish_reason: d.finish_reason.map(FinishReason::as_str),
+                }),
             };
             if !reasoning.is_empty() {
-                let v = v.get_or_insert_with(|| {
-                    envelope(
-                        &s.job,
-                        json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": null}]),
-                    )
+                let c = choice.get_or_insert_with(|| ChunkChoice {
+                    index,
+                    delta: Delta::default(),
+                    logprobs: None,
+                    finish_reason: None,
                 });
-                let delta = &mut v["choices"][0]["delta"];
-                delta["reasoning_content"] = json!(reasoning);
-                if !std::mem::replace(&mut s.started[d.index], true) {
-                    delta["role"] = json!("assistant");
-                }
+                c.delta.reasoning_content = Some(reasoning);
             }
+            let v = choice.map(|mut c| {
+                if !std::mem::replace(&mut s.started[d.index], true) {
+                    c.delta.role = Some("assistant");
+                }
+                data(&s.job, vec![c])
+            });
             Some((v, s))
         }
         Some(Err(f)) => {
             let e = failure_error(f);
             let v = json!({"error": {"message": e.message, "type": e.kind(), "param": null, "code": e.status.as_u16()}});
-            Some((Some(v), s))
+            Some((Some(v.to_string()), s))
         }
         None => {
             s.sub.timing.finish(&s.job.id);
@@ -137,78 +156,70 @@ pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<Value>, Strea
     }
 }
 
-/// A streamed delta of an answer parsed for tool calls: `auto` text goes out as content
-/// until a call could begin; the calls go out, whole and with their ids, when it ends.
-pub(crate) fn held_chunk(s: &mut Streaming, d: &SeqDelta, index: usize) -> Option<Value> {
-    let held = &mut s.held[d.index];
-    let (mut content, calls) = match s.job.tools {
-        ToolMode::Auto(parser) => {
-            let sent = held.push(parser, &d.text);
-            match d.finish_reason {
-                Some(_) => {
-                    let (rest, calls) = held.finish(parser);
-                    (Some(sent + rest.as_deref().unwrap_or("")), calls)
-                }
-                None => (Some(sent), vec![]),
-            }
+/// A streamed delta of an answer read for tool calls: `auto` text goes out as content
+/// until a call could begin; each call's id and name, then its argument fragments, as
+/// they are read; calls only the whole answer parses into when it ends.
+fn call_choice(s: &mut Streaming, d: &SeqDelta, index: usize) -> Option<ChunkChoice> {
+    let mode = &s.job.tools;
+    let stream = &mut s.calls[d.index];
+    let (sent, mut calls) = stream.push(mode, &d.text);
+    let mut content = Some(sent);
+    let mut finish = d.finish_reason.map(FinishReason::as_str);
+    if d.finish_reason.is_some() {
+        let (rest, more, has_calls) = stream.finish(mode);
+        if let Some(rest) = rest {
+            content.get_or_insert_default().push_str(&rest);
         }
-        _ => {
-            held.hold(&d.text);
-            match d.finish_reason {
-                Some(_) => held.finish_required(),
-                None => (None, vec![]),
-            }
-        }
-    };
+        calls.extend(more);
+        finish = tools::finish_reason(mode, has_calls, finish);
+    }
     content = content.filter(|c| !c.is_empty());
-    if content.is_none() && d.finish_reason.is_none() {
+    if content.is_none() && calls.is_empty() && d.finish_reason.is_none() {
         return None;
     }
-    let finish = tools::finish_reason(
-        &s.job.tools,
-        !calls.is_empty(),
-        d.finish_reason.map(FinishReason::as_str),
-    );
-    let mut delta = json!({"content": content});
-    if finish == Some("tool_calls") {
-        let mut calls = tools::calls_json(calls);
-        for (i, c) in calls.iter_mut().enumerate() {
-            c["index"] = json!(i);
-        }
-        delta["tool_calls"] = Value::from(calls);
+    Some(ChunkChoice {
+        index,
+        delta: Delta {
+            content,
+            tool_calls: calls.into_iter().map(delta_tool_call).collect(),
+            ..Delta::default()
+        },
+        logprobs: chat_logprobs(&s.state, &d.logprobs),
+        finish_reason: finish,
+    })
+}
+
+/// One call's streamed piece in OpenAI's shape: the id, type and name in its first.
+fn delta_tool_call(c: CallDelta) -> DeltaToolCall {
+    let (id, name) = c.header.unzip();
+    DeltaToolCall {
+        index: c.index,
+        kind: id.as_ref().map(|_| "function"),
+        id,
+        function: DeltaFunction {
+            name,
+            arguments: c.arguments,
+        },
     }
-    if !std::mem::replace(&mut s.started[d.index], true) {
-        delta["role"] = json!("assistant");
-    }
-    let logprobs = logprobs_json(&s.state, s.job.kind, &d.logprobs);
-    Some(envelope(
-        &s.job,
-        json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]),
-    ))
 }
 
 /// A streamed delta of a named function's arguments: the call's id and name come with the
 /// first, argument text with each.
-pub(crate) fn named_call_chunk(s: &Streaming, d: &SeqDelta, name: &str, first: bool) -> Value {
-    let job = &s.job;
-    let call = if first {
-        json!({"index": 0, "id": tools::call_id(), "type": "function", "function": {"name": name, "arguments": d.text}})
-    } else {
-        json!({"index": 0, "function": {"arguments": d.text}})
-    };
-    let mut delta = json!({"tool_calls": [call]});
-    if first {
-        delta["role"] = json!("assistant");
+fn named_call_choice(s: &Streaming, d: &SeqDelta, name: &str, index: usize) -> ChunkChoice {
+    let first = !s.started[d.index];
+    ChunkChoice {
+        index,
+        delta: Delta {
+            tool_calls: vec![delta_tool_call(CallDelta {
+                index: 0,
+                header: first.then(|| (tools::call_id(), name.to_string())),
+                arguments: d.text.clone(),
+            })],
+            ..Delta::default()
+        },
+        logprobs: chat_logprobs(&s.state, &d.logprobs),
+        finish_reason: d.finish_reason.map(FinishReason::as_str),
     }
-    envelope(
-        job,
-        json!([{
-            "index": s.sub.prompt_index * job.n + d.index,
-            "delta": delta,
-            "logprobs": logprobs_json(&s.state, job.kind, &d.logprobs),
-            "finish_reason": d.finish_reason.map(FinishReason::as_str),
-        }]),
-    )
 }
 
 /// Streams a job as server-sent events ending in `data: [DONE]`. Dropping the stream (a
@@ -227,7 +238,7 @@ pub(crate) fn stream_job(
             job: job.clone(),
             sub,
             started: vec![false; job.n],
-            held: (0..job.n).map(|_| AutoStream::default()).collect(),
+            calls: (0..job.n).map(|_| ToolStream::default()).collect(),
             thinking: (0..job.n)
                 .map(|_| job.reasoning.map(ReasoningSplit::new))
                 .collect(),
@@ -237,17 +248,17 @@ pub(crate) fn stream_job(
     });
     let body = stream::select_all(per_prompt)
         .filter_map(|v| async move { v })
-        .map(|v| Ok(SseEvent::default().data(v.to_string())));
+        .map(|v| Ok(SseEvent::default().data(v)));
     let tail = stream::once(async move {
         let mut events = vec![];
         if job.include_usage {
-            let usage = usage(
-                prompt_tokens,
-                completion_tokens.load(Ordering::Relaxed) as usize,
-            );
-            let mut v = envelope(&job, json!([]));
-            v["usage"] = usage;
-            events.push(Ok(SseEvent::default().data(v.to_string())));
+            let completion_tokens = completion_tokens.load(Ordering::Relaxed) as usize;
+            let last = Response::<ChunkChoice> {
+                usage: Some(Usage::new(prompt_tokens, completion_tokens)),
+                ..job.response(true, vec![])
+            };
+            let v = serde_json::to_string(&last).expect("chunks serialize");
+            events.push(Ok(SseEvent::default().data(v)));
         }
         events.push(Ok(SseEvent::default().data("[DONE]")));
         stream::iter(events)

@@ -5,7 +5,7 @@
 //! own format with the server's `--tool-call-parser`.
 
 use crate::error::ApiError;
-use crate::protocol::{Tool, ToolChoice};
+use crate::protocol::{CalledFunctionOut, MessageToolCall, Tool, ToolChoice};
 use ingot_core::StructuredOutput;
 use ingot_model::chat::Message;
 use rand::distr::{Alphanumeric, SampleString};
@@ -345,16 +345,7 @@ pub fn parse(mode: &ToolMode, text: &str) -> (Option<String>, Vec<ParsedCall>) {
             if !body.starts_with('{') {
                 return (content(text), vec![]);
             }
-            let calls: Option<Vec<ParsedCall>> = body
-                .split("; ")
-                .map(|part| {
-                    serde_json::from_str::<Value>(part.trim())
-                        .ok()
-                        .as_ref()
-                        .and_then(call_of)
-                })
-                .collect();
-            match calls {
+            match llama3_calls(body) {
                 Some(calls) if !calls.is_empty() => (None, calls),
                 _ => (content(text), vec![]),
             }
@@ -375,121 +366,31 @@ pub fn parse(mode: &ToolMode, text: &str) -> (Option<String>, Vec<ParsedCall>) {
     }
 }
 
-/// An `auto` answer while it streams: text goes out as content until the parser's call
-/// marker could begin, and from there on is held to be parsed when the answer ends.
-#[derive(Default)]
-pub struct AutoStream {
-    /// Text not sent: a possible start of the marker, or everything from the marker on.
-    held: String,
-    /// The marker (or, for Llama 3 JSON, a call's first character) was seen.
-    calling: bool,
-    /// Text went out (then a Llama 3 JSON answer is text to its end).
-    sent_text: bool,
-}
-
-/// What opens a call in `parser`'s format, for text that streams before it.
-fn markers(parser: ToolParser) -> &'static [&'static str] {
-    match parser {
-        ToolParser::Hermes | ToolParser::Qwen3 => &["<tool_call>"],
-        ToolParser::Mistral => &["[TOOL_CALLS]"],
-        ToolParser::Llama3Json => &["<|python_tag|>", "{"],
-    }
-}
-
-impl AutoStream {
-    /// Adds new text; returns the part that can go out as content now.
-    pub fn push(&mut self, parser: ToolParser, text: &str) -> String {
-        self.held.push_str(text);
-        if self.calling {
-            return String::new();
+/// Llama 3 JSON calls: objects joined by `;` (a `;` inside a string joins nothing).
+fn llama3_calls(mut body: &str) -> Option<Vec<ParsedCall>> {
+    let mut calls = vec![];
+    loop {
+        let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+        calls.push(call_of(&values.next()?.ok()?)?);
+        body = body[values.byte_offset()..].trim_start();
+        if body.is_empty() {
+            return Some(calls);
         }
-        let sent = self.scan(parser);
-        self.sent_text |= !sent.is_empty();
-        sent
-    }
-
-    fn scan(&mut self, parser: ToolParser) -> String {
-        if parser == ToolParser::Llama3Json && self.sent_text {
-            return std::mem::take(&mut self.held);
-        }
-        // Llama 3 JSON calls are the whole answer: only its start can open one.
-        let scan = if parser == ToolParser::Llama3Json {
-            let lead = self.held.len() - self.held.trim_start().len();
-            if lead < self.held.len()
-                && !markers(parser).iter().any(|m| {
-                    let rest = &self.held[lead..];
-                    m.starts_with(rest) || rest.starts_with(m)
-                })
-            {
-                // Plain text: nothing in it can become a call.
-                return std::mem::take(&mut self.held);
-            }
-            lead
-        } else {
-            0
-        };
-        let found = markers(parser)
-            .iter()
-            .filter_map(|m| self.held[scan..].find(m).map(|i| i + scan))
-            .min();
-        if let Some(at) = found {
-            self.calling = true;
-            if parser == ToolParser::Llama3Json {
-                // The whole answer is the call, leading blanks included.
-                return String::new();
-            }
-            let sent = self.held[..at].to_string();
-            self.held.drain(..at);
-            return sent;
-        }
-        // Hold back the longest tail that could still grow into a marker.
-        let keep = markers(parser)
-            .iter()
-            .flat_map(|m| (1..m.len()).filter(|&k| self.held.ends_with(&m[..k])))
-            .max()
-            .unwrap_or(0);
-        let mut cut = self.held.len() - keep;
-        if parser == ToolParser::Llama3Json {
-            cut = cut.min(scan);
-        }
-        while !self.held.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let sent = self.held[..cut].to_string();
-        self.held.drain(..cut);
-        sent
-    }
-
-    /// Holds all of a `required` answer's text: it is one JSON list of calls.
-    pub fn hold(&mut self, text: &str) {
-        self.held.push_str(text);
-    }
-
-    /// A `required` answer ended: the calls in all of it.
-    pub fn finish_required(&mut self) -> (Option<String>, Vec<ParsedCall>) {
-        parse(&ToolMode::Required, &std::mem::take(&mut self.held))
-    }
-
-    /// An `auto` answer ended: what was held, as content still to send and the calls in it.
-    pub fn finish(&mut self, parser: ToolParser) -> (Option<String>, Vec<ParsedCall>) {
-        let held = std::mem::take(&mut self.held);
-        let (content, calls) = parse(&ToolMode::Auto(parser), &held);
-        // Text held only because it might have opened a marker goes out untrimmed.
-        let content = if calls.is_empty() {
-            (!held.is_empty()).then_some(held)
-        } else {
-            content
-        };
-        (content, calls)
+        body = body.strip_prefix(';')?.trim_start();
     }
 }
 
 /// Parsed calls in OpenAI's shape, each with a fresh id.
-pub fn calls_json(calls: Vec<ParsedCall>) -> Vec<Value> {
+pub fn message_calls(calls: Vec<ParsedCall>) -> Vec<MessageToolCall> {
     calls
         .into_iter()
-        .map(|c| {
-            json!({"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+        .map(|c| MessageToolCall {
+            id: call_id(),
+            kind: "function",
+            function: CalledFunctionOut {
+                name: c.name,
+                arguments: c.arguments,
+            },
         })
         .collect()
 }
@@ -566,54 +467,6 @@ mod tests {
             r#"[{"name": "a", "parameters": {"q": 1}}]"#,
         );
         assert_eq!((text, calls), (None, vec![call("a", r#"{"q":1}"#)]));
-    }
-
-    /// Streams `pieces` and returns the content sent along the way, then at the end, and
-    /// the calls.
-    fn stream(parser: ToolParser, pieces: &[&str]) -> (String, Option<String>, Vec<ParsedCall>) {
-        let mut s = AutoStream::default();
-        let sent: String = pieces.iter().map(|p| s.push(parser, p)).collect();
-        let (rest, calls) = s.finish(parser);
-        (sent, rest, calls)
-    }
-
-    #[test]
-    fn auto_answers_stream_their_text_up_to_a_call() {
-        let weather = call("weather", r#"{"city":"Oslo"}"#);
-        let (sent, rest, calls) = stream(
-            ToolParser::Hermes,
-            &[
-                "Let me ",
-                "look. <tool",
-                "_call>{\"name\": \"weather\", ",
-                "\"arguments\": {\"city\": \"Oslo\"}}</tool_call>",
-            ],
-        );
-        assert_eq!(
-            (sent.as_str(), rest, calls),
-            ("Let me look. ", None, vec![weather.clone()])
-        );
-        // A `<` that opens no marker is sent once it cannot.
-        let (sent, rest, calls) = stream(ToolParser::Hermes, &["a <", "b> c"]);
-        assert_eq!((sent.as_str(), rest, calls), ("a <b> c", None, vec![]));
-        let (sent, rest, _) = stream(ToolParser::Hermes, &["ends with <tool"]);
-        assert_eq!(
-            (sent.as_str(), rest.as_deref()),
-            ("ends with ", Some("<tool"))
-        );
-        let (sent, rest, calls) = stream(
-            ToolParser::Llama3Json,
-            &[
-                " {\"name\": \"weather\",",
-                " \"parameters\": {\"city\": \"Oslo\"}}",
-            ],
-        );
-        assert_eq!((sent.as_str(), rest, calls), ("", None, vec![weather]));
-        let (sent, rest, calls) = stream(ToolParser::Llama3Json, &["Hello", " {there}"]);
-        assert_eq!(
-            (sent.as_str(), rest, calls),
-            ("Hello {there}", None, vec![])
-        );
     }
 
     #[test]
