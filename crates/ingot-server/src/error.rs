@@ -4,6 +4,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use crate::protocol::{ErrorBody, ErrorResponse};
+
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -44,16 +46,22 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The body of this error in OpenAI's shape.
+    pub fn body(&self) -> ErrorResponse {
+        ErrorResponse {
+            error: ErrorBody {
+                message: self.message.clone(),
+                kind: self.kind(),
+                param: self.param.clone(),
+                code: self.status.as_u16(),
+            },
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind(),
-                "param": self.param,
-                "code": self.status.as_u16(),
-            }
-        });
-        (self.status, Json(body)).into_response()
+        (self.status, Json(self.body())).into_response()
     }
 }

@@ -22,6 +22,7 @@ pub mod tools;
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::protocol::{Detokenized, ModelCard, ModelList, Tokenized, Version};
 use crate::tools::ToolParser;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -31,7 +32,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ingot_engine::EngineHandle;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -131,8 +132,10 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
-async fn version() -> Json<Value> {
-    Json(json!({ "version": env!("CARGO_PKG_VERSION") }))
+async fn version() -> Json<Version> {
+    Json(Version {
+        version: env!("CARGO_PKG_VERSION"),
+    })
 }
 
 pub(crate) fn now() -> u64 {
@@ -141,18 +144,18 @@ pub(crate) fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<ModelList>, ApiError> {
     let engine = state.engine()?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.served_model_name,
-            "object": "model",
-            "created": now(),
-            "owned_by": "ingot",
-            "max_model_len": engine.max_model_len(),
-        }]
-    })))
+    Ok(Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.config.served_model_name.clone(),
+            object: "model",
+            created: now(),
+            owned_by: "ingot",
+            max_model_len: engine.max_model_len(),
+        }],
+    }))
 }
 
 async fn metrics_endpoint(State(state): State<Arc<AppState>>) -> Response {
@@ -167,7 +170,7 @@ async fn metrics_endpoint(State(state): State<Arc<AppState>>) -> Response {
 async fn tokenize(
     State(state): State<Arc<AppState>>,
     body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Tokenized>, ApiError> {
     let engine = state.engine()?;
     let v = protocol::parse_json(&body)?;
     let prompt = v
@@ -182,15 +185,17 @@ async fn tokenize(
         .tokenizer()
         .encode(prompt, add_special)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    Ok(Json(
-        json!({ "tokens": tokens, "count": tokens.len(), "max_model_len": engine.max_model_len() }),
-    ))
+    Ok(Json(Tokenized {
+        count: tokens.len(),
+        tokens,
+        max_model_len: engine.max_model_len(),
+    }))
 }
 
 async fn detokenize(
     State(state): State<Arc<AppState>>,
     body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Detokenized>, ApiError> {
     let engine = state.engine()?;
     let v = protocol::parse_json(&body)?;
     let tokens: Vec<u32> = v
@@ -210,5 +215,5 @@ async fn detokenize(
         .tokenizer()
         .decode(&tokens, false)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    Ok(Json(json!({ "prompt": text })))
+    Ok(Json(Detokenized { prompt: text }))
 }

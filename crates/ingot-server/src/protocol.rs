@@ -595,3 +595,54 @@ pub struct DeltaFunction {
     pub name: Option<String>,
     pub arguments: String,
 }
+
+/// `/v1/models`: the one model this server serves.
+#[derive(Serialize, Debug)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}
+
+/// `/tokenize`'s answer.
+#[derive(Serialize, Debug)]
+pub struct Tokenized {
+    pub tokens: Vec<u32>,
+    pub count: usize,
+    pub max_model_len: usize,
+}
+
+/// `/detokenize`'s answer.
+#[derive(Serialize, Debug)]
+pub struct Detokenized {
+    pub prompt: String,
+}
+
+/// `/version`'s answer.
+#[derive(Serialize, Debug)]
+pub struct Version {
+    pub version: &'static str,
+}
+
+/// An error in OpenAI's shape, as a response body or a streamed event.
+#[derive(Serialize, Debug)]
+pub struct ErrorResponse {
+    pub error: ErrorBody,
+}
+
+#[derive(Serialize, Debug)]
+pub struct ErrorBody {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: u16,
+}

@@ -15,7 +15,6 @@ use futures_util::stream::{self, Stream, StreamExt};
 use ingot_core::FinishReason;
 use ingot_engine::SeqDelta;
 use serde::Serialize;
-use serde_json::json;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -145,9 +144,9 @@ pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<String>, Stre
             Some((v, s))
         }
         Some(Err(f)) => {
-            let e = failure_error(f);
-            let v = json!({"error": {"message": e.message, "type": e.kind(), "param": null, "code": e.status.as_u16()}});
-            Some((Some(v.to_string()), s))
+            let body = failure_error(f).body();
+            let v = serde_json::to_string(&body).expect("errors serialize");
+            Some((Some(v), s))
         }
         None => {
             s.sub.timing.finish(&s.job.id);
