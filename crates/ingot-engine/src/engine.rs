@@ -118,12 +118,6 @@ pub struct StepInfo {
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
     pub execute: Duration,
-    /// Rows whose token a structured-output constraint masked.
-    pub constrained_rows: usize,
-    /// Wall time of computing those masks (in parallel, while the device ran the step).
-    pub mask_time: Duration,
-    /// The masks' time summed over rows.
-    pub mask_time_total: Duration,
 }
 
 /// A request refused because the queue is full: the client may retry later.
@@ -209,6 +203,9 @@ pub struct Engine<B: Backend> {
     structured_stats: StructuredStats,
     /// The step on the device whose tokens the next [`Engine::step`] reads back.
     in_flight: Option<InFlight>,
+    /// Structured-output masks being computed for the step being submitted; their
+    /// sequences' constraints are away meanwhile.
+    mask_jobs: Vec<MaskJob>,
 }
 
 /// How a step's tokens come back from the device.
@@ -230,22 +227,39 @@ struct InFlight {
     pending: Option<Pending>,
 }
 
-/// The part of a step's submission that waits for its structured-output masks.
+/// The part of a step's submission that waits for its structured-output masks: the rows
+/// and edits of a step sampled on the device, to queue with the masks.
 struct Pending {
-    masks: Option<MaskJob>,
-    /// The rows and edits of a step sampled on the device, to queue with the masks.
     device: Option<(Vec<SampleRow>, Vec<LogitEdit>)>,
 }
 
 /// Masks being computed on the worker threads.
 struct MaskJob(mpsc::Receiver<Masks>);
 
-/// A step's computed masks: the constraints that hold them, the sum of the masks' times
-/// and the wall time of the whole.
+/// Computed masks: the constraints that hold them (and that the job took for any other
+/// reason), how many masks, the sum of their times and the wall time of the whole.
 struct Masks {
     rows: Vec<(SeqId, Constraint)>,
+    computed: usize,
     total: Duration,
     wall: Duration,
+}
+
+/// Computes the masks of the constraints flagged in `rows`, in parallel.
+fn compute_masks(mut rows: Vec<(SeqId, Constraint)>, wanted: &[bool]) -> Masks {
+    let start = Instant::now();
+    let (total, computed) = rows
+        .par_iter_mut()
+        .zip(wanted)
+        .filter(|(_, &w)| w)
+        .map(|((_, c), _)| (c.compute_mask(), 1))
+        .reduce(|| (Duration::ZERO, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    Masks {
+        rows,
+        computed,
+        total,
+        wall: start.elapsed(),
+    }
 }
 
 /// A sampled sequence's token, before it is committed.
@@ -443,6 +457,7 @@ impl<B: Backend> Engine<B> {
             last_step: StepInfo::default(),
             structured_stats: StructuredStats::default(),
             in_flight: None,
+            mask_jobs: vec![],
         })
     }
 
@@ -749,8 +764,10 @@ impl<B: Backend> Engine<B> {
     /// The host's work overlaps the device's: a call reads back the tokens of the step the
     /// call before it submitted, commits them (stop tokens and `max_tokens` end sequences
     /// here), queues the next step's forward pass, and only then detokenizes and checks
-    /// stop strings while the device runs it and the worker threads compute its
-    /// structured-output masks; then the step's token picks are queued with the masks. So a call returns the deltas of the step before; a sequence
+    /// stop strings while the device runs it. Structured-output grammars advance past the
+    /// tokens read back on the worker threads, which then go on to the next step's masks
+    /// while this thread commits, schedules, submits and delivers; the step's token picks
+    /// are queued with the masks. So a call returns the deltas of the step before; a sequence
     /// that a stop string ends has one more step in flight, whose token is dropped.
     pub fn step(&mut self) -> Result<Vec<SeqDelta>> {
         let mut in_runner = Duration::ZERO;
@@ -784,66 +801,63 @@ impl<B: Backend> Engine<B> {
         deltas
     }
 
-    /// Starts the token masks of the constrained rows of a submitted step on the worker
-    /// threads, in parallel: the tokens before are committed, so each matcher stands where
-    /// the row's next token is chosen. The constraints are theirs until
-    /// [`finish_submit`](Self::finish_submit) takes them back.
-    fn start_masks(&mut self, sampled: &[SeqId]) -> Option<MaskJob> {
-        let mut rows: Vec<(SeqId, Constraint)> = sampled
+    /// Starts the token masks that the constrained rows of a submitted step still lack
+    /// (rows whose grammar did not just advance: their first token, or back from
+    /// preemption) on the worker threads.
+    fn start_masks(&mut self, sampled: &[SeqId]) {
+        let rows: Vec<(SeqId, Constraint)> = sampled
             .iter()
             .filter_map(|id| {
                 let st = self.seqs.get_mut(id)?;
-                st.constraint.as_ref()?.is_active().then_some(())?;
+                let c = st.constraint.as_ref()?;
+                (c.is_active() && !c.has_mask()).then_some(())?;
                 Some((*id, st.constraint.take()?))
             })
             .collect();
         if rows.is_empty() {
-            return None;
+            return;
         }
         let (tx, rx) = mpsc::channel();
         rayon::spawn(move || {
-            let start = Instant::now();
-            let total: Duration = rows.par_iter_mut().map(|(_, c)| c.compute_mask()).sum();
+            let wanted = vec![true; rows.len()];
             // The engine waits for this unless it failed and went away.
-            let _ = tx.send(Masks {
-                rows,
-                total,
-                wall: start.elapsed(),
-            });
+            let _ = tx.send(compute_masks(rows, &wanted));
         });
-        Some(MaskJob(rx))
+        self.mask_jobs.push(MaskJob(rx));
     }
 
     /// Completes the submitted step once its masks are in: the constraints go back to their
     /// sequences, and a step sampled on the device queues its pick with the masks. Returns
     /// the time spent in the model runner.
     fn finish_submit(&mut self) -> Result<Duration> {
-        let Some(f) = self.in_flight.as_mut() else {
-            return Ok(Duration::ZERO);
-        };
-        let Some(pending) = f.pending.take() else {
-            return Ok(Duration::ZERO);
-        };
-        if let Some(MaskJob(rx)) = pending.masks {
-            let Masks { rows, total, wall } = rx
+        let (mut computed, mut wall) = (0, Duration::ZERO);
+        for MaskJob(rx) in std::mem::take(&mut self.mask_jobs) {
+            let masks = rx
                 .recv()
                 .map_err(|_| anyhow!("a structured-output mask worker failed"))?;
-            f.info.constrained_rows = rows.len();
-            f.info.mask_time = wall;
-            f.info.mask_time_total = total;
-            let st = &mut self.structured_stats;
-            st.masks += rows.len() as u64;
-            st.steps += 1;
-            st.mask_seconds += total.as_secs_f64();
-            st.step_seconds += wall.as_secs_f64();
-            for (id, c) in rows {
+            computed += masks.computed;
+            wall += masks.wall;
+            self.structured_stats.mask_seconds += masks.total.as_secs_f64();
+            for (id, c) in masks.rows {
                 // A stop string may have ended the sequence meanwhile.
                 if let Some(state) = self.seqs.get_mut(&id) {
                     state.constraint = Some(c);
                 }
             }
         }
-        let Some((mut rows, edits)) = pending.device else {
+        if computed > 0 {
+            let st = &mut self.structured_stats;
+            st.masks += computed as u64;
+            st.steps += 1;
+            st.step_seconds += wall.as_secs_f64();
+        }
+        let Some(f) = self.in_flight.as_mut() else {
+            return Ok(Duration::ZERO);
+        };
+        let Some(Pending {
+            device: Some((mut rows, edits)),
+        }) = f.pending.take()
+        else {
             return Ok(Duration::ZERO);
         };
         let words = mask_words(self.runner.vocab_size());
@@ -884,7 +898,8 @@ impl<B: Backend> Engine<B> {
         let greedy = sampled.iter().all(|id| {
             let seq = self.scheduler.get(*id).expect("sampled sequences run");
             let st = &self.seqs[id];
-            st.constraint.is_none() && st.sampler.is_plain_greedy(seq.num_output())
+            // The constraint itself may be away, computing its mask.
+            st.sampler.params().structured.is_none() && st.sampler.is_plain_greedy(seq.num_output())
         });
         // Otherwise a device that samples picks the tokens (masked where a constraint
         // says) unless a row wants logprobs, which are computed from the logits on the
@@ -896,7 +911,7 @@ impl<B: Backend> Engine<B> {
         let started = Instant::now();
         self.runner.submit(&input)?;
         let in_runner = started.elapsed();
-        let masks = self.start_masks(&sampled);
+        self.start_masks(&sampled);
         let (picks, device) = if greedy {
             (Picks::Ids, None)
         } else if on_device {
@@ -920,7 +935,7 @@ impl<B: Backend> Engine<B> {
             sampled,
             picks,
             info,
-            pending: Some(Pending { masks, device }),
+            pending: Some(Pending { device }),
         });
         Ok(in_runner)
     }
@@ -940,7 +955,7 @@ impl<B: Backend> Engine<B> {
     fn commit(&mut self, f: InFlight, picked: Sampled) -> Vec<NewToken> {
         let ready = self.scheduler.commit(&f.out);
         let picks = self.picks(f.sampled, picked);
-        let mut grammar_done = self.accept(&picks);
+        let mut grammar_done = self.advance_grammars(&picks);
         let mut tokens = Vec::with_capacity(picks.len());
         for Pick {
             id,
@@ -1027,30 +1042,65 @@ impl<B: Backend> Engine<B> {
         picks
     }
 
-    /// Advances the constraints of the picked tokens' sequences, in parallel (a matcher's
-    /// step takes microseconds, hundreds of rows one after another a step's worth):
-    /// `Ok(true)` where a grammar is complete.
-    fn accept(&mut self, picks: &[Pick]) -> HashMap<SeqId, Result<bool>> {
-        let tokens: HashMap<SeqId, u32> = picks
-            .iter()
-            .filter(|p| self.seqs[&p.id].constraint.is_some())
-            .filter_map(|p| Some((p.id, p.picked.as_ref().ok()?.0)))
-            .collect();
-        if tokens.is_empty() {
+    /// Advances the constraints of the picked tokens' sequences past their tokens, in
+    /// parallel (a matcher's step takes microseconds, hundreds of rows one after another a
+    /// step's worth): `Ok(true)` where a grammar is complete. The same job then goes on to
+    /// the masks of the next tokens of the sequences that go on, while this thread
+    /// commits, schedules and submits the next step; [`finish_submit`](Self::finish_submit)
+    /// takes them back.
+    fn advance_grammars(&mut self, picks: &[Pick]) -> HashMap<SeqId, Result<bool>> {
+        let mut rows = vec![];
+        let mut tokens = vec![];
+        // Whether the sequence has a next token to mask (a stop token or its last token
+        // ends it here).
+        let mut goes_on = vec![];
+        for p in picks {
+            let Ok((token, _)) = &p.picked else { continue };
+            let Some(st) = self.seqs.get_mut(&p.id) else {
+                continue;
+            };
+            if let Some(c) = st.constraint.take() {
+                let params = st.sampler.params();
+                let n = p.num_before + 1;
+                let stops = n >= params.min_tokens && st.sampler.is_stop_token(*token);
+                goes_on.push(n < params.max_tokens && !stops);
+                rows.push((p.id, c));
+                tokens.push(*token);
+            }
+        }
+        if rows.is_empty() {
             return HashMap::new();
         }
-        let mut rows: Vec<(SeqId, &mut Constraint, u32)> = self
-            .seqs
-            .iter_mut()
-            .filter_map(|(id, st)| Some((*id, st.constraint.as_mut()?, *tokens.get(id)?)))
-            .collect();
-        let start = Instant::now();
-        let done = rows
-            .par_iter_mut()
-            .map(|(id, c, token)| (*id, c.accept(*token)))
-            .collect();
-        self.structured_stats.accept_seconds += start.elapsed().as_secs_f64();
-        done
+        let (accepted_tx, accepted_rx) = mpsc::channel();
+        let (masks_tx, masks_rx) = mpsc::channel();
+        rayon::spawn(move || {
+            let start = Instant::now();
+            let done: Vec<(SeqId, Result<bool>)> = rows
+                .par_iter_mut()
+                .zip(&tokens)
+                .map(|((id, c), &token)| (*id, c.accept(token)))
+                .collect();
+            let wanted: Vec<bool> = rows
+                .iter()
+                .zip(&done)
+                .zip(goes_on)
+                .map(|(((_, c), (_, d)), on)| on && matches!(d, Ok(false)) && c.is_active())
+                .collect();
+            // The engine waits for both unless it failed and went away.
+            let _ = accepted_tx.send((done, start.elapsed()));
+            let _ = masks_tx.send(compute_masks(rows, &wanted));
+        });
+        self.mask_jobs.push(MaskJob(masks_rx));
+        match accepted_rx.recv() {
+            Ok((done, wall)) => {
+                self.structured_stats.accept_seconds += wall.as_secs_f64();
+                done.into_iter().collect()
+            }
+            Err(_) => picks
+                .iter()
+                .map(|p| (p.id, Err(anyhow!("a structured-output worker failed"))))
+                .collect(),
+        }
     }
 
     /// Detokenizes committed tokens into deltas; a stop string ends its sequence here.

@@ -167,6 +167,11 @@ impl Constraint {
         self.reasoning.is_none()
     }
 
+    /// Whether the next token's mask is computed (or failed).
+    pub fn has_mask(&self) -> bool {
+        self.mask.is_some()
+    }
+
     /// Computes the mask of the next token; returns the time it took.
     pub fn compute_mask(&mut self) -> Duration {
         if !self.is_active() {
