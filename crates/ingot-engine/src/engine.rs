@@ -223,14 +223,9 @@ struct InFlight {
     sampled: Vec<SeqId>,
     picks: Picks,
     info: StepInfo,
-    /// What the step still needs once its forward pass is queued.
-    pending: Option<Pending>,
-}
-
-/// The part of a step's submission that waits for its structured-output masks: the rows
-/// and edits of a step sampled on the device, to queue with the masks.
-struct Pending {
-    device: Option<(Vec<SampleRow>, Vec<LogitEdit>)>,
+    /// The rows and edits of a step sampled on the device, queued with its masks once
+    /// they are in; taken then.
+    device_rows: Option<(Vec<SampleRow>, Vec<LogitEdit>)>,
 }
 
 /// Masks being computed on the worker threads.
@@ -854,10 +849,7 @@ impl<B: Backend> Engine<B> {
         let Some(f) = self.in_flight.as_mut() else {
             return Ok(Duration::ZERO);
         };
-        let Some(Pending {
-            device: Some((mut rows, edits)),
-        }) = f.pending.take()
-        else {
+        let Some((mut rows, edits)) = f.device_rows.take() else {
             return Ok(Duration::ZERO);
         };
         let words = mask_words(self.runner.vocab_size());
@@ -912,7 +904,7 @@ impl<B: Backend> Engine<B> {
         self.runner.submit(&input)?;
         let in_runner = started.elapsed();
         self.start_masks(&sampled);
-        let (picks, device) = if greedy {
+        let (picks, device_rows) = if greedy {
             (Picks::Ids, None)
         } else if on_device {
             let mut rows = Vec::with_capacity(sampled.len());
@@ -935,7 +927,7 @@ impl<B: Backend> Engine<B> {
             sampled,
             picks,
             info,
-            pending: Some(Pending { device }),
+            device_rows,
         });
         Ok(in_runner)
     }

@@ -161,12 +161,6 @@ impl<B: Backend> ModelRunner<B> {
         self.logits(input.logits_indices.len())
     }
 
-    /// Queues one step on the device and returns without waiting for it: the logits of
-    /// the sampled rows, and each row's greedy token.
-    pub fn submit(&mut self, input: &StepInput) -> Result<()> {
-        self.run(input)
-    }
-
     /// Queues, after the submitted step, a pick of each sampled row's token on the device
     /// with its [`SampleRow`], edits and bitmask (`masks` holds the masked rows' bitmasks
     /// back to back, [`mask_words`] words each), replacing the greedy tokens.
@@ -310,9 +304,10 @@ impl<B: Backend> ModelRunner<B> {
             .find(|&b| b >= s)
     }
 
-    /// Validates, uploads and queues a step: logits of the sampled rows in `acts.logits`
-    /// and their greedy tokens in `greedy`. The download of its results waits for it.
-    fn run(&mut self, input: &StepInput) -> Result<()> {
+    /// Validates, uploads and queues one step on the device and returns without waiting
+    /// for it: the logits of the sampled rows in `acts.logits` and their greedy tokens in
+    /// `greedy`. The download of its results waits for it.
+    pub fn submit(&mut self, input: &StepInput) -> Result<()> {
         self.validate(input)?;
         let bucket = self.graph_bucket(input);
         let (s, n) = (input.seq_lens.len(), input.token_ids.len());

@@ -24,47 +24,28 @@ fn data<C: Serialize>(job: &Job, choices: Vec<C>) -> String {
     serde_json::to_string(&job.response(true, choices)).expect("chunks serialize")
 }
 
-/// One streamed chunk for one sample's delta.
-pub(crate) fn chunk(
+/// One streamed completions chunk for one sample's delta (the prompt's echo first).
+fn completion_chunk(
     state: &AppState,
     job: &Job,
     prompt_index: usize,
     d: &SeqDelta,
     first: bool,
 ) -> String {
-    let index = prompt_index * job.n + d.index;
-    let finish_reason = d.finish_reason.map(FinishReason::as_str);
-    match job.kind {
-        Kind::Completion => {
-            let echo = if first {
-                job.echo.get(prompt_index).map_or("", String::as_str)
-            } else {
-                ""
-            };
-            data(
-                job,
-                vec![CompletionChoice {
-                    index,
-                    text: format!("{echo}{}", d.text),
-                    logprobs: completion_logprobs(state, &d.logprobs),
-                    finish_reason,
-                }],
-            )
-        }
-        Kind::Chat => data(
-            job,
-            vec![ChunkChoice {
-                index,
-                delta: Delta {
-                    role: first.then_some("assistant"),
-                    content: Some(d.text.clone()),
-                    ..Delta::default()
-                },
-                logprobs: chat_logprobs(state, &d.logprobs),
-                finish_reason,
-            }],
-        ),
-    }
+    let echo = if first {
+        job.echo.get(prompt_index).map_or("", String::as_str)
+    } else {
+        ""
+    };
+    data(
+        job,
+        vec![CompletionChoice {
+            index: prompt_index * job.n + d.index,
+            text: format!("{echo}{}", d.text),
+            logprobs: completion_logprobs(state, &d.logprobs),
+            finish_reason: d.finish_reason.map(FinishReason::as_str),
+        }],
+    )
 }
 
 /// Per-prompt state while streaming.
@@ -110,7 +91,7 @@ pub(crate) async fn next_chunk(mut s: Streaming) -> Option<(Option<String>, Stre
             };
             if s.job.kind == Kind::Completion {
                 let first = !std::mem::replace(&mut s.started[d.index], true);
-                let v = chunk(&s.state, &s.job, s.sub.prompt_index, &d, first);
+                let v = completion_chunk(&s.state, &s.job, s.sub.prompt_index, &d, first);
                 return Some((Some(v), s));
             }
             let mut choice = match &s.job.tools {

@@ -321,10 +321,11 @@ pub fn synthetic_models_match_the_cpu<B: Backend>(
     }
 }
 
-/// The CPU engine and an engine on `backend` give the same greedy text for the first
-/// fixtures' prompts at f32.
-pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
-    use ingot_core::SamplingParams;
+/// Engines of the real test model at f32 on the CPU reference of `backend` and on
+/// `backend` itself, with the same configuration.
+fn f32_engines<B: Backend + 'static>(
+    backend: B,
+) -> (ingot_engine::Engine<CpuBackend>, ingot_engine::Engine<B>) {
     use ingot_engine::{Engine, EngineConfig};
     use std::sync::Arc;
     let path = ingot_model::testing::test_model_path().expect("the test model (INGOT_TEST_MODEL)");
@@ -334,12 +335,20 @@ pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
         kv_cache_memory: Some(256 << 20),
         ..EngineConfig::default()
     };
-    let ps: Vec<Vec<u32>> = cases().iter().take(4).map(|c| c.prompt.clone()).collect();
     let cpu = cpu_reference_of(&backend);
     let (m, t) = ingot_model::load(&cpu, &path, WeightDType::F32).unwrap();
-    let mut ce = Engine::new(cpu, m, Arc::new(t), config.clone()).unwrap();
+    let ce = Engine::new(cpu, m, Arc::new(t), config.clone()).unwrap();
     let (m, t) = ingot_model::load(&backend, &path, WeightDType::F32).unwrap();
-    let mut ge = Engine::new(backend, m, Arc::new(t), config).unwrap();
+    let ge = Engine::new(backend, m, Arc::new(t), config).unwrap();
+    (ce, ge)
+}
+
+/// The CPU engine and an engine on `backend` give the same greedy text for the first
+/// fixtures' prompts at f32.
+pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
+    use ingot_core::SamplingParams;
+    let ps: Vec<Vec<u32>> = cases().iter().take(4).map(|c| c.prompt.clone()).collect();
+    let (mut ce, mut ge) = f32_engines(backend);
     let params = SamplingParams::greedy(12);
     let want = ce
         .generate(ps.clone(), &vec![params.clone(); ps.len()])
@@ -435,26 +444,13 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: 
 /// constraint gives JSON.
 pub fn constrained_greedy_on_the_device_matches_the_cpu<B: Backend + 'static>(backend: B) {
     use ingot_core::{SamplingParams, StructuredOutput};
-    use ingot_engine::{Engine, EngineConfig};
     use serde_json::json;
-    use std::sync::Arc;
     assert!(
         backend.samples_on_device(),
         "{} samples on the host",
         backend.name()
     );
-    let path = ingot_model::testing::test_model_path().expect("the test model (INGOT_TEST_MODEL)");
-    let config = EngineConfig {
-        max_num_seqs: Some(8),
-        max_model_len: Some(1024),
-        kv_cache_memory: Some(256 << 20),
-        ..EngineConfig::default()
-    };
-    let cpu = cpu_reference_of(&backend);
-    let (m, t) = ingot_model::load(&cpu, &path, WeightDType::F32).unwrap();
-    let mut ce = Engine::new(cpu, m, Arc::new(t), config.clone()).unwrap();
-    let (m, t) = ingot_model::load(&backend, &path, WeightDType::F32).unwrap();
-    let mut ge = Engine::new(backend, m, Arc::new(t), config).unwrap();
+    let (mut ce, mut ge) = f32_engines(backend);
     let person = json!({
         "type": "object",
         "properties": {
