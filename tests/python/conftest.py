@@ -78,3 +78,19 @@ def server():
 def client(server):
     from openai import OpenAI
     return OpenAI(base_url=server.base + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="session")
+def embed_server():
+    """The test model served as an embedding model (last token, L2-normalized), with
+    Matryoshka truncation allowed."""
+    s = Server("--task", "embed", "--hf-overrides", '{"is_matryoshka": true}')
+    yield s
+    s.stop()
+    assert s.proc.returncode == 0, "ingot serve --task embed did not exit cleanly on SIGTERM"
+
+
+@pytest.fixture(scope="session")
+def embed_client(embed_server):
+    from openai import OpenAI
+    return OpenAI(base_url=embed_server.base + "/v1", api_key="unused")

@@ -646,4 +646,16 @@ pub trait Backend: Send + Sync {
         dim: usize,
         out: &mut Self::Buffer,
     );
+
+    /// `out[s] = Σ x[r]` over the rows `query_start_loc[s]..query_start_loc[s+1]` of
+    /// sequence `s` (rows of `dim`), summed in f32 in row order into f32 `out`: mean
+    /// pooling's sum, with no atomics, so a sequence's sum does not depend on its batch.
+    fn segment_sum(
+        &self,
+        x: &Self::Buffer,
+        query_start_loc: &Self::Buffer,
+        num_seqs: usize,
+        dim: usize,
+        out: &mut Self::Buffer,
+    );
 }

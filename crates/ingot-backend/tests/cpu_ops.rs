@@ -349,6 +349,22 @@ fn silu_mul_add_and_gather_match_naive() {
         .flat_map(|&r| src[r * 9..(r + 1) * 9].to_vec())
         .collect();
     assert_eq!(b.download_f32(&out, 27).unwrap(), want);
+
+    let mut sums = b.alloc(DType::F32, 2 * 9).unwrap();
+    b.segment_sum(
+        &f32_buf(&b, &src),
+        &i32_buf(&b, &[0, 1, 5]),
+        2,
+        9,
+        &mut sums,
+    );
+    let want: Vec<f32> = (0..18)
+        .map(|i| match i / 9 {
+            0 => src[i],
+            _ => (1..5).fold(0.0, |acc, r| acc + src[r * 9 + i % 9]),
+        })
+        .collect();
+    assert_eq!(b.download_f32(&sums, 18).unwrap(), want);
 }
 
 fn cos_sin_table(max_pos: usize, rot: usize, theta: f32) -> Vec<f32> {

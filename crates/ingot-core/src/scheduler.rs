@@ -104,8 +104,9 @@ impl Scheduler {
                 max_tokens,
             });
         }
-        // The last sampled token is never fed back, so it needs no slot.
-        let needed = (prompt_len + max_tokens - 1).div_ceil(c.block_size);
+        // The last sampled token is never fed back, so it needs no slot (a prompt that
+        // samples nothing, an embedding input, needs its own slots only).
+        let needed = (prompt_len + max_tokens.saturating_sub(1)).div_ceil(c.block_size);
         if needed > c.num_blocks {
             return Err(AdmissionError::CacheTooSmall {
                 needed,

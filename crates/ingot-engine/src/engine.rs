@@ -1,6 +1,7 @@
 //! The engine: requests in, per-sequence output deltas out, one scheduled step at a time.
 
 use crate::detokenizer::Detokenizer;
+use crate::embedding::PooledSeq;
 use crate::runner::{ModelRunner, RunnerConfig, StepInput};
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::structured::{Constraint, Grammar, Grammars};
@@ -10,7 +11,7 @@ use ingot_backend::{Backend, DType, LogitEdit, SampleRow};
 use ingot_core::{
     FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
 };
-use ingot_model::{Activations, KvCache, Model, Tokenizer};
+use ingot_model::{Activations, Head, KvCache, Model, Pooling, PoolingType, Tokenizer};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
@@ -40,6 +41,8 @@ pub struct EngineConfig {
     pub enforce_eager: bool,
     /// Refuse a request whose sequences would take the number waiting beyond this.
     pub max_waiting: Option<usize>,
+    /// Serve embeddings with this pooling instead of generating (`--task embed`).
+    pub pooling: Option<Pooling>,
 }
 
 impl Default for EngineConfig {
@@ -55,6 +58,7 @@ impl Default for EngineConfig {
             prefix_caching: true,
             enforce_eager: false,
             max_waiting: None,
+            pooling: None,
         }
     }
 }
@@ -71,6 +75,8 @@ pub struct SeqDelta {
     pub finish_reason: Option<FinishReason>,
     /// On a sequence's first delta: how long it waited from arrival to its first step.
     pub queue_time: Option<Duration>,
+    /// An embedding request's vector for input `index`, on its only delta.
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// A finished sample, as the offline API returns it.
@@ -194,6 +200,9 @@ pub struct Engine<B: Backend> {
     tokenizer: Arc<Tokenizer>,
     grammars: Grammars,
     seqs: HashMap<SeqId, SeqState>,
+    /// The inputs of embedding requests (an engine with a pooling runs only those).
+    pooled: HashMap<SeqId, PooledSeq>,
+    pooling: Option<Pooling>,
     requests: HashMap<RequestId, RequestState>,
     max_waiting: Option<usize>,
     next_seq: SeqId,
@@ -214,12 +223,15 @@ enum Picks {
     Ids,
     /// The sampled rows' logits, sampled on the host (which reports logprobs).
     Logits,
+    /// Pooled rows of an embedding model.
+    Pooled,
 }
 
 /// A submitted step whose results have not been read back.
 struct InFlight {
     out: SchedulerOutput,
-    /// The sequences whose next token the step samples, in row order.
+    /// The sequences whose next token the step samples (or whose rows it pools), in row
+    /// order.
     sampled: Vec<SeqId>,
     picks: Picks,
     info: StepInfo,
@@ -417,6 +429,21 @@ impl<B: Backend> Engine<B> {
         if num_blocks < min_blocks {
             tracing::warn!("the KV cache holds {num_blocks} blocks: a sequence of max_model_len {max_model_len} tokens needs {min_blocks}");
         }
+        let head = match &config.pooling {
+            Some(p) => Head::Pool(p.kind),
+            None => Head::Logits,
+        };
+        // A cached prefix skips tokens whose rows mean and CLS pooling need.
+        let prefix_caching = match &config.pooling {
+            Some(p) if p.kind != PoolingType::Last && config.prefix_caching => {
+                tracing::info!(
+                    "prefix caching off: {} pooling reads every prompt token",
+                    p.kind.as_str()
+                );
+                false
+            }
+            _ => config.prefix_caching,
+        };
         let runner = ModelRunner::new(
             backend,
             model,
@@ -428,6 +455,7 @@ impl<B: Backend> Engine<B> {
                 num_blocks,
                 kv_cache_dtype: kv_dtype,
                 enforce_eager: config.enforce_eager,
+                head,
             },
         )?;
         let scheduler = Scheduler::new(SchedulerConfig {
@@ -436,7 +464,7 @@ impl<B: Backend> Engine<B> {
             max_model_len,
             block_size: config.block_size,
             num_blocks,
-            prefix_caching: config.prefix_caching,
+            prefix_caching,
         });
         let grammars = Grammars::new(tokenizer.clone(), runner.vocab_size());
         Ok(Engine {
@@ -445,6 +473,8 @@ impl<B: Backend> Engine<B> {
             tokenizer,
             grammars,
             seqs: HashMap::new(),
+            pooled: HashMap::new(),
+            pooling: config.pooling,
             requests: HashMap::new(),
             max_waiting: config.max_waiting,
             next_seq: 0,
@@ -478,6 +508,16 @@ impl<B: Backend> Engine<B> {
         self.scheduler.config.block_size
     }
 
+    /// The pooling of an engine that serves embeddings; `None` where it generates.
+    pub fn pooling(&self) -> Option<&Pooling> {
+        self.pooling.as_ref()
+    }
+
+    /// The model's hidden size: an embedding's length before any `dimensions` cut.
+    pub fn hidden_size(&self) -> usize {
+        self.runner.model.config.hidden_size
+    }
+
     pub fn last_step(&self) -> StepInfo {
         self.last_step
     }
@@ -503,7 +543,7 @@ impl<B: Backend> Engine<B> {
             .scheduler
             .running()
             .iter()
-            .map(|s| self.seqs[&s.id].request_id)
+            .map(|s| self.request_of(s.id))
             .collect();
         EngineStats {
             num_running: self.scheduler.num_running(),
@@ -518,6 +558,79 @@ impl<B: Backend> Engine<B> {
             total_blocks: pool.num_blocks(),
             structured: self.structured_stats,
         }
+    }
+
+    /// The request a live sequence (or embedding input) belongs to.
+    fn request_of(&self, id: SeqId) -> RequestId {
+        match self.seqs.get(&id) {
+            Some(st) => st.request_id,
+            None => self.pooled[&id].request_id,
+        }
+    }
+
+    /// Refuses a request that would take the sequences waiting beyond `max_waiting`.
+    fn check_queue(&self, adds: usize) -> Result<()> {
+        if let Some(limit) = self.max_waiting {
+            let waiting = self.num_waiting();
+            if waiting + adds > limit {
+                return Err(QueueFull {
+                    waiting,
+                    adds,
+                    limit,
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues an embedding request: each input runs through the model to its last token
+    /// and comes back as one delta with its vector (cut to `dimensions` where given).
+    pub fn add_embed_request(
+        &mut self,
+        request_id: RequestId,
+        inputs: Vec<Vec<u32>>,
+        dimensions: Option<usize>,
+    ) -> Result<()> {
+        let Some(pooling) = &self.pooling else {
+            bail!("this server generates text: embeddings need a model served with --task embed");
+        };
+        if inputs.is_empty() {
+            bail!("an embedding request needs at least one input");
+        }
+        if let Some(d) = dimensions {
+            pooling.check_dimensions(d, self.runner.model.config.hidden_size)?;
+        }
+        let vocab = self.runner.vocab_size() as u32;
+        for (i, input) in inputs.iter().enumerate() {
+            if let Some(t) = input.iter().find(|&&t| t >= vocab) {
+                bail!("input {i}: token id {t} is outside the vocabulary of {vocab}");
+            }
+            self.scheduler
+                .check_admissible(input.len(), 0, 1)
+                .map_err(|e| anyhow!(e).context(format!("input {i}")))?;
+        }
+        self.check_queue(inputs.len())?;
+        let arrival = Instant::now();
+        let mut seqs = Vec::with_capacity(inputs.len());
+        for (index, input) in inputs.into_iter().enumerate() {
+            let id = self.next_seq;
+            self.next_seq += 1;
+            self.pooled
+                .insert(id, PooledSeq::new(request_id, index, dimensions, arrival));
+            self.scheduler
+                .add(Sequence::new(id, input, 0))
+                .expect("admission checked every input");
+            seqs.push(id);
+        }
+        self.requests.insert(
+            request_id,
+            RequestState {
+                seqs,
+                siblings: None,
+            },
+        );
+        Ok(())
     }
 
     /// Queues a request; it is rejected here if its parameters are invalid, its
@@ -542,6 +655,9 @@ impl<B: Backend> Engine<B> {
         params: SamplingParams,
         grammar: Option<Grammar>,
     ) -> Result<()> {
+        if self.pooling.is_some() {
+            bail!("this server runs an embedding model (--task embed): it does not generate text; use /v1/embeddings");
+        }
         params.validate(self.runner.vocab_size())?;
         if params.structured.is_some() != grammar.is_some() {
             bail!("a request's structured-output constraint must be compiled with it");
@@ -552,17 +668,7 @@ impl<B: Backend> Engine<B> {
         }
         self.scheduler
             .check_admissible(prompt.len(), params.max_tokens, params.n)?;
-        if let Some(limit) = self.max_waiting {
-            let waiting = self.num_waiting();
-            if waiting + params.n > limit {
-                return Err(QueueFull {
-                    waiting,
-                    adds: params.n,
-                    limit,
-                }
-                .into());
-            }
-        }
+        self.check_queue(params.n)?;
         let arrival = Instant::now();
         let first = self.new_seq(request_id, 0, &prompt, &params, grammar.as_ref(), arrival);
         let siblings = (params.n > 1).then_some(Siblings {
@@ -673,6 +779,7 @@ impl<B: Backend> Engine<B> {
     fn finish_seq(&mut self, request_id: RequestId, id: SeqId) {
         self.scheduler.remove(id);
         self.seqs.remove(&id);
+        self.pooled.remove(&id);
         if let Some(req) = self.requests.get_mut(&request_id) {
             req.seqs.retain(|&s| s != id);
             if req.seqs.is_empty() && req.siblings.is_none() {
@@ -690,6 +797,7 @@ impl<B: Backend> Engine<B> {
         for id in req.seqs {
             self.scheduler.remove(id);
             self.seqs.remove(&id);
+            self.pooled.remove(&id);
         }
         true
     }
@@ -711,7 +819,7 @@ impl<B: Backend> Engine<B> {
             .map(|s| s.id)
             .collect();
         for id in unstarted {
-            let request_id = self.seqs[&id].request_id;
+            let request_id = self.request_of(id);
             *lost.entry(request_id).or_default() += 1;
             self.finish_seq(request_id, id);
         }
@@ -746,8 +854,20 @@ impl<B: Backend> Engine<B> {
             let mut table = seq.block_table.clone();
             table.resize(input.max_blocks_per_seq, 0);
             input.block_tables.extend(table);
-            if sch.start + sch.len == seq.tokens.len() {
-                input.logits_indices.push(input.token_ids.len() as u32 - 1);
+            let end = input.token_ids.len() as u32;
+            let row = match self.pooling.as_ref().map(|p| p.kind) {
+                // Every sequence of the step has its sum, in order.
+                Some(PoolingType::Mean) => {
+                    sampled.push(seq.id);
+                    continue;
+                }
+                Some(PoolingType::Cls) => (sch.start == 0).then_some(end - sch.len as u32),
+                Some(PoolingType::Last) | None => {
+                    (sch.start + sch.len == seq.tokens.len()).then_some(end - 1)
+                }
+            };
+            if let Some(row) = row {
+                input.logits_indices.push(row);
                 sampled.push(seq.id);
             }
         }
@@ -771,7 +891,11 @@ impl<B: Backend> Engine<B> {
                 let t = Instant::now();
                 let picked = self.read_back(&f)?;
                 in_runner += t.elapsed();
-                Some((f.info, self.commit(f, picked)))
+                let info = f.info;
+                Some(match picked {
+                    Sampled::Pooled(rows) => (info, Done::Pooled(self.commit_pooled(f, rows))),
+                    picked => (info, Done::Tokens(self.commit(f, picked))),
+                })
             }
             None => None,
         };
@@ -782,9 +906,12 @@ impl<B: Backend> Engine<B> {
         // The previous step's text is made while the worker threads compute this step's
         // masks and the device runs its forward pass.
         let deltas = match done {
-            Some((info, tokens)) => {
+            Some((info, done)) => {
                 self.last_step = info;
-                self.deliver(tokens)
+                match done {
+                    Done::Tokens(tokens) => self.deliver(tokens),
+                    Done::Pooled(deltas) => Ok(deltas),
+                }
             }
             None => {
                 self.last_step = StepInfo::default();
@@ -872,6 +999,9 @@ impl<B: Backend> Engine<B> {
     /// Queues a scheduled step's forward pass on the device and starts its masks; returns
     /// the time spent in the model runner.
     fn submit(&mut self, out: SchedulerOutput) -> Result<Duration> {
+        if self.pooling.is_some() {
+            return self.submit_pooled(out);
+        }
         let (input, sampled) = self.step_input(&out);
         let mut info = StepInfo::default();
         for s in &out.seqs {
@@ -932,12 +1062,77 @@ impl<B: Backend> Engine<B> {
         Ok(in_runner)
     }
 
-    /// Waits for a submitted step and reads back its tokens, or its sampled rows' logits.
+    /// Queues a step of embedding inputs; returns the time spent in the model runner.
+    fn submit_pooled(&mut self, out: SchedulerOutput) -> Result<Duration> {
+        for id in &out.preempted {
+            if let Some(p) = self.pooled.get_mut(id) {
+                p.restart();
+            }
+        }
+        let (input, sampled) = self.step_input(&out);
+        for s in &out.seqs {
+            let p = self.pooled.get_mut(&s.id).expect("every input has state");
+            if let Some(arrival) = p.arrival.take() {
+                p.queue_time = Some(arrival.elapsed());
+            }
+        }
+        let info = StepInfo {
+            prefill_tokens: out.num_tokens,
+            ..Default::default()
+        };
+        let started = Instant::now();
+        self.runner.submit(&input)?;
+        self.in_flight = Some(InFlight {
+            out,
+            sampled,
+            picks: Picks::Pooled,
+            info,
+            device_rows: None,
+        });
+        Ok(started.elapsed())
+    }
+
+    /// Commits a step of embedding inputs: folds in their pooled rows, and each input whose
+    /// prompt is now all computed ends with its vector (its blocks freed at once).
+    fn commit_pooled(&mut self, f: InFlight, rows: Vec<f32>) -> Vec<SeqDelta> {
+        let pooling = self.pooling.clone().expect("an embedding engine");
+        let ready = self.scheduler.commit(&f.out);
+        let d = self.runner.model.config.hidden_size;
+        for (id, row) in f.sampled.iter().zip(rows.chunks(d)) {
+            if let Some(p) = self.pooled.get_mut(id) {
+                p.add(pooling.kind, row);
+            }
+        }
+        let mut deltas = Vec::with_capacity(ready.len());
+        for id in ready {
+            let Some(p) = self.pooled.remove(&id) else {
+                continue;
+            };
+            let num_tokens = self.scheduler.get(id).map_or(0, |s| s.prompt_len);
+            let (request_id, index, queue_time) = (p.request_id, p.index, p.queue_time);
+            deltas.push(SeqDelta {
+                request_id,
+                index,
+                token_ids: vec![],
+                text: String::new(),
+                logprobs: vec![],
+                finish_reason: Some(FinishReason::Stop),
+                queue_time,
+                embedding: Some(p.finish(&pooling, num_tokens)),
+            });
+            self.finish_seq(request_id, id);
+        }
+        deltas
+    }
+
+    /// Waits for a submitted step and reads back its tokens, its sampled rows' logits, or
+    /// its pooled rows.
     fn read_back(&self, f: &InFlight) -> Result<Sampled> {
         let rows = f.sampled.len();
         Ok(match f.picks {
             Picks::Ids => Sampled::Tokens(self.runner.picked_ids(rows)?),
             Picks::Logits => Sampled::Logits(self.runner.logits(rows)?),
+            Picks::Pooled => Sampled::Pooled(self.runner.pooled(rows)?),
         })
     }
 
@@ -1015,6 +1210,7 @@ impl<B: Backend> Engine<B> {
                     Some(Err(e)) => Err(e),
                     _ => Ok((ids[k], None)),
                 },
+                Sampled::Pooled(_) => unreachable!("commit_pooled takes pooled steps"),
                 Sampled::Logits(logits) => {
                     let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
                     state.sampler.sample(
@@ -1164,6 +1360,7 @@ impl<B: Backend> Engine<B> {
             logprobs: t.logprobs.into_iter().collect(),
             finish_reason: finish,
             queue_time: st.queue_time.take(),
+            embedding: None,
         })
     }
 
@@ -1212,10 +1409,41 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// What a step brings back: greedy tokens picked on the device, or the sampled rows' logits.
+impl<B: Backend> Engine<B> {
+    /// Offline embeddings: runs every input to its vector, batched, and returns them in
+    /// input order.
+    pub fn embed(
+        &mut self,
+        inputs: Vec<Vec<u32>>,
+        dimensions: Option<usize>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let id = self.next_offline_request;
+        self.next_offline_request += 1;
+        let mut out = vec![vec![]; inputs.len()];
+        self.add_embed_request(id, inputs, dimensions)?;
+        while self.has_work() {
+            for d in self.step()? {
+                if let (true, Some(e)) = (d.request_id == id, d.embedding) {
+                    out[d.index] = e;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// What a step brings back: greedy tokens picked on the device, the sampled rows' logits,
+/// or pooled rows.
 enum Sampled {
     Tokens(Vec<u32>),
     Logits(Vec<f32>),
+    Pooled(Vec<f32>),
+}
+
+/// A read-back step, committed: tokens whose text is still to make, or finished embeddings.
+enum Done {
+    Tokens(Vec<NewToken>),
+    Pooled(Vec<SeqDelta>),
 }
 
 /// Byte offset of the earliest stop string that ends after `from`, if any.

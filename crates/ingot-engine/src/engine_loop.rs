@@ -7,7 +7,7 @@ use crate::structured::{Grammar, Grammars};
 use anyhow::Result;
 use ingot_backend::Backend;
 use ingot_core::SamplingParams;
-use ingot_model::Tokenizer;
+use ingot_model::{Pooling, Tokenizer};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -53,6 +53,13 @@ enum Command {
         events: EventSender,
         admitted: tokio::sync::oneshot::Sender<Result<(), SubmitError>>,
     },
+    Embed {
+        id: RequestId,
+        inputs: Vec<Vec<u32>>,
+        dimensions: Option<usize>,
+        events: EventSender,
+        admitted: tokio::sync::oneshot::Sender<Result<(), SubmitError>>,
+    },
     Abort(RequestId),
     /// Shutting down: refuse new requests and abort those not started.
     Drain,
@@ -75,6 +82,8 @@ struct Inner {
     tokenizer: Arc<Tokenizer>,
     grammars: Grammars,
     max_model_len: usize,
+    pooling: Option<Pooling>,
+    hidden_size: usize,
 }
 
 impl Drop for Inner {
@@ -108,6 +117,8 @@ impl EngineHandle {
         let tokenizer = engine.tokenizer().clone();
         let grammars = engine.grammars().clone();
         let max_model_len = engine.max_model_len();
+        let pooling = engine.pooling().cloned();
+        let hidden_size = engine.hidden_size();
         let shared = stats.clone();
         let thread = std::thread::Builder::new()
             .name("ingot-engine".into())
@@ -121,6 +132,8 @@ impl EngineHandle {
             tokenizer,
             grammars,
             max_model_len,
+            pooling,
+            hidden_size,
         };
         EngineHandle {
             inner: Arc::new(inner),
@@ -133,6 +146,16 @@ impl EngineHandle {
 
     pub fn max_model_len(&self) -> usize {
         self.inner.max_model_len
+    }
+
+    /// The pooling of an engine that serves embeddings; `None` where it generates.
+    pub fn pooling(&self) -> Option<&Pooling> {
+        self.inner.pooling.as_ref()
+    }
+
+    /// The model's hidden size: an embedding's length before any `dimensions` cut.
+    pub fn hidden_size(&self) -> usize {
+        self.inner.hidden_size
     }
 
     /// Counters as of the last step.
@@ -185,7 +208,7 @@ impl EngineHandle {
             .map_err(SubmitError::Rejected)?;
         let a = self.submit(prompt, params, grammar)?;
         let reply = a.ack.blocking_recv();
-        admitted(a.id, a.events, reply)
+        admitted_reply(a.id, a.events, reply)
     }
 
     /// As [`add_request`](Self::add_request), awaiting admission without blocking the
@@ -210,7 +233,27 @@ impl EngineHandle {
         };
         let a = self.submit(prompt, params, grammar)?;
         let reply = a.ack.await;
-        admitted(a.id, a.events, reply)
+        admitted_reply(a.id, a.events, reply)
+    }
+
+    /// Submits an embedding request (one delta with its vector per input), awaiting
+    /// admission without blocking the async runtime.
+    pub async fn embed_async(
+        &self,
+        inputs: Vec<Vec<u32>>,
+        dimensions: Option<usize>,
+    ) -> Result<(RequestId, Events), SubmitError> {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (admitted, ack) = tokio::sync::oneshot::channel();
+        self.send(Command::Embed {
+            id,
+            inputs,
+            dimensions,
+            events,
+            admitted,
+        })?;
+        admitted_reply(id, rx, ack.await)
     }
 
     pub fn abort(&self, id: RequestId) {
@@ -232,7 +275,7 @@ impl EngineHandle {
 }
 
 /// The engine's answer to an `Add`: the request's channel, or why it was not taken.
-fn admitted(
+fn admitted_reply(
     id: RequestId,
     events: Events,
     reply: Result<Result<(), SubmitError>, tokio::sync::oneshot::error::RecvError>,
@@ -276,6 +319,28 @@ impl Loop {
     }
 }
 
+/// The answer to a request the engine was given: taken, it goes live with its `n` outputs.
+fn admit(
+    live: &mut HashMap<RequestId, Live>,
+    id: RequestId,
+    events: EventSender,
+    n: usize,
+    result: Result<()>,
+) -> Result<(), SubmitError> {
+    result.map_err(|e| match e.downcast::<QueueFull>() {
+        Ok(full) => SubmitError::AtCapacity(full),
+        Err(e) => SubmitError::Rejected(e),
+    })?;
+    live.insert(
+        id,
+        Live {
+            events,
+            remaining: n,
+        },
+    );
+    Ok(())
+}
+
 fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
     let live = &mut state.live;
     match cmd {
@@ -292,22 +357,23 @@ fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
                 return;
             }
             let n = params.n;
-            let result = engine
-                .add_compiled_request(id, prompt, *params, grammar)
-                .map_err(|e| match e.downcast::<QueueFull>() {
-                    Ok(full) => SubmitError::AtCapacity(full),
-                    Err(e) => SubmitError::Rejected(e),
-                });
-            if result.is_ok() {
-                live.insert(
-                    id,
-                    Live {
-                        events,
-                        remaining: n,
-                    },
-                );
+            let result = engine.add_compiled_request(id, prompt, *params, grammar);
+            let _ = admitted.send(admit(live, id, events, n, result));
+        }
+        Command::Embed {
+            id,
+            inputs,
+            dimensions,
+            events,
+            admitted,
+        } => {
+            if state.draining {
+                let _ = admitted.send(Err(SubmitError::ShuttingDown));
+                return;
             }
-            let _ = admitted.send(result);
+            let n = inputs.len();
+            let result = engine.add_embed_request(id, inputs, dimensions);
+            let _ = admitted.send(admit(live, id, events, n, result));
         }
         Command::Abort(id) => {
             engine.abort(id);

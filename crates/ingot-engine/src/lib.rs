@@ -3,6 +3,7 @@
 //! requests continuously and turns tokens into text.
 
 pub mod detokenizer;
+mod embedding;
 pub mod engine;
 pub mod engine_loop;
 pub mod runner;

@@ -4,7 +4,7 @@
 use anyhow::{ensure, Result};
 use ingot_backend::sampling::mask_words;
 use ingot_backend::{Backend, CacheLayout, DType, LogitEdit, SampleRow};
-use ingot_model::{Activations, KvCache, Model, StepBuffers};
+use ingot_model::{Activations, Head, KvCache, Model, StepBuffers};
 
 /// One step on the host: a flattened batch of sequences. Sequence `s` contributes token
 /// rows `query_start_loc[s]..query_start_loc[s+1]`, which are the last tokens of its
@@ -36,6 +36,8 @@ pub struct RunnerConfig {
     pub kv_cache_dtype: DType,
     /// Run every step op by op, without recorded (CUDA graph) decode steps.
     pub enforce_eager: bool,
+    /// Logits for sampling, or pooled rows for embeddings.
+    pub head: Head,
 }
 
 pub struct ModelRunner<B: Backend> {
@@ -208,6 +210,14 @@ impl<B: Backend> ModelRunner<B> {
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 
+    /// The first `rows` pooled rows of the last submitted step (`[rows, hidden]`, f32),
+    /// once it has run: final-normed rows, or for mean pooling each sequence's sum of them.
+    pub fn pooled(&self, rows: usize) -> Result<Vec<f32>> {
+        let d = self.model.config.hidden_size;
+        self.backend
+            .download_f32(self.acts.output(self.config.head), rows * d)
+    }
+
     /// The logits of the first `rows` sampled rows of the last submitted step, once it has
     /// run.
     pub fn logits(&self, rows: usize) -> Result<Vec<f32>> {
@@ -295,7 +305,8 @@ impl<B: Backend> ModelRunner<B> {
                 .iter()
                 .enumerate()
                 .all(|(i, &r)| r as usize == i);
-        if self.config.enforce_eager || !decode_only || !self.backend.records_steps() {
+        let recorded = !self.config.enforce_eager && self.config.head == Head::Logits;
+        if !recorded || !decode_only || !self.backend.records_steps() {
             return None;
         }
         let c = &self.config;
@@ -358,11 +369,14 @@ impl<B: Backend> ModelRunner<B> {
         st.num_logits = input.logits_indices.len() + pad;
         self.num_sampled = input.logits_indices.len();
         let vocab = self.model.config.vocab_size;
+        let head = self.config.head;
         let (model, acts, kv, greedy) =
             (&self.model, &mut self.acts, &mut self.kv, &mut self.greedy);
         let mut step = || {
-            model.forward(b, st, acts, kv);
-            b.argmax(&acts.logits, st.num_logits, vocab, greedy);
+            model.forward(b, st, acts, kv, head);
+            if head == Head::Logits {
+                b.argmax(&acts.logits, st.num_logits, vocab, greedy);
+            }
         };
         match bucket {
             // A bucket's first step runs eagerly, which also sets up what capture cannot

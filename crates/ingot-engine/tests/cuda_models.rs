@@ -200,6 +200,12 @@ fn cpu_and_cuda_engines_agree_in_f32() {
 /// is greedy, and a logit bias reaches the kernel.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn embeddings_match_transformers() {
+    common::embeddings_match_transformers(gpu, 0.99999, 1e-5);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn seeded_sampling_on_the_device() {
     common::seeded_sampling_on_the_device(gpu(), 6);
 }

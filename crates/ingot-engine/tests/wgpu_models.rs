@@ -29,6 +29,11 @@ fn synthetic_models_match_the_cpu() {
     );
 }
 
+#[test]
+fn embeddings_match_transformers() {
+    common::embeddings_match_transformers(gpu, 0.99999, 1e-5);
+}
+
 /// Every fixture with `INGOT_WGPU_ALL_FIXTURES=1` (scripts/gpu/run on a GPU); otherwise
 /// those with prompts under 64 tokens, which lavapipe runs in about a minute (all of them
 /// take it most of an hour).

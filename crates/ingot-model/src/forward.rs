@@ -1,6 +1,7 @@
 //! The paged forward pass of one engine step, as a sequence of backend ops.
 
 use crate::config::ModelConfig;
+use crate::pooling::PoolingType;
 use crate::weights::Weights;
 use anyhow::Result;
 use ingot_backend::{
@@ -25,8 +26,18 @@ pub struct StepBuffers<B: Backend> {
     pub num_logits: usize,
 }
 
+/// What a step computes at its end: the logits of the rows in `logits_indices` (a
+/// generating model), or pooled hidden states (an embedding model; the lm_head is not run).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Head {
+    Logits,
+    /// Last-token and CLS pooling take the final-normed rows in `logits_indices`; mean
+    /// pooling sums each sequence's final-normed rows of the step.
+    Pool(PoolingType),
+}
+
 /// Every intermediate of a step, sized once from the token budget: in the model's
-/// activation dtype, but for the f32 logits and RoPE table.
+/// activation dtype, but for the f32 logits, pooled sums and RoPE table.
 pub struct Activations<B: Backend> {
     hidden: B::Buffer,
     normed: B::Buffer,
@@ -39,6 +50,8 @@ pub struct Activations<B: Backend> {
     last_normed: B::Buffer,
     attn_workspace: B::Buffer,
     pub logits: B::Buffer,
+    /// f32 `[max_logits, hidden]`: each sequence's sum of final-normed rows (mean pooling).
+    sums: B::Buffer,
     cos_sin: B::Buffer,
     pub max_tokens: usize,
     pub max_logits: usize,
@@ -47,6 +60,16 @@ pub struct Activations<B: Backend> {
 }
 
 impl<B: Backend> Activations<B> {
+    /// Where a step with `head` left its rows: logits, or pooled `[rows, hidden]` (in the
+    /// activation dtype for last-token and CLS pooling, f32 sums for mean pooling).
+    pub fn output(&self, head: Head) -> &B::Buffer {
+        match head {
+            Head::Logits => &self.logits,
+            Head::Pool(PoolingType::Mean) => &self.sums,
+            Head::Pool(_) => &self.last_normed,
+        }
+    }
+
     /// Element counts of the activation-dtype buffers, in field order.
     fn sizes(cfg: &ModelConfig, max_tokens: usize, max_logits: usize) -> [usize; 9] {
         let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
@@ -83,6 +106,7 @@ impl<B: Backend> Activations<B> {
     ) -> usize {
         let acts: usize = Self::sizes(cfg, max_tokens, max_logits).iter().sum();
         let f32s = max_logits * cfg.vocab_size
+            + max_logits * cfg.hidden_size
             + max_positions * cfg.head_dim
             + b.attention_workspace_len(Self::layout(cfg), max_logits);
         dtype.bytes_for(acts) + 4 * f32s
@@ -104,6 +128,7 @@ impl<B: Backend> Activations<B> {
             .collect::<Result<Vec<_>>>()?
             .into_iter();
         let logits = b.alloc(DType::F32, max_logits * cfg.vocab_size)?;
+        let sums = b.alloc(DType::F32, max_logits * cfg.hidden_size)?;
         let attn_workspace = b.alloc(
             DType::F32,
             b.attention_workspace_len(Self::layout(cfg), max_logits),
@@ -126,6 +151,7 @@ impl<B: Backend> Activations<B> {
             last_normed: next(),
             attn_workspace,
             logits,
+            sums,
             cos_sin,
             max_tokens,
             max_logits,
@@ -170,14 +196,15 @@ pub struct Model<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
-    /// Runs one step; the logits of the `num_logits` selected rows are left in
-    /// `acts.logits` as `[num_logits, vocab_size]`.
+    /// Runs one step and leaves `head`'s rows in [`Activations::output`]: the logits of the
+    /// `num_logits` selected rows as `[num_logits, vocab_size]`, or pooled rows.
     pub fn forward(
         &self,
         b: &B,
         step: &StepBuffers<B>,
         acts: &mut Activations<B>,
         kv: &mut KvCache<B>,
+        head: Head,
     ) {
         let cfg = &self.config;
         let w = &self.weights;
@@ -282,7 +309,14 @@ impl<B: Backend> Model<B> {
                 None => b.add_assign(&mut a.hidden, &a.proj, t * d),
             }
         }
-        // Only the sampled rows need the final norm and the vocabulary projection.
+        if head == Head::Pool(PoolingType::Mean) {
+            b.rms_norm(&a.hidden, &w.final_norm, eps, t, d, &mut a.normed);
+            let (qsl, s) = (&step.query_start_loc, step.num_seqs);
+            b.segment_sum(&a.normed, qsl, s, d, &mut a.sums);
+            return;
+        }
+        // Only the sampled (or pooled) rows need the final norm and the vocabulary
+        // projection.
         let n = step.num_logits;
         b.gather_rows(&a.hidden, &step.logits_indices, n, d, &mut a.last);
         b.rms_norm(
@@ -293,6 +327,9 @@ impl<B: Backend> Model<B> {
             d,
             &mut a.last_normed,
         );
+        if head != Head::Logits {
+            return;
+        }
         w.lm_head
             .as_ref()
             .unwrap_or(&w.embed)

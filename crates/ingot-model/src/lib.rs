@@ -7,6 +7,7 @@ pub mod config;
 mod dummy;
 pub mod forward;
 pub mod gguf;
+pub mod pooling;
 pub mod reference;
 pub mod rope;
 pub mod synthetic;
@@ -16,7 +17,8 @@ pub mod weights;
 
 pub use checkpoint::Checkpoint;
 pub use config::{Arch, ModelConfig};
-pub use forward::{Activations, KvCache, Model, StepBuffers};
+pub use forward::{Activations, Head, KvCache, Model, StepBuffers};
+pub use pooling::{Pooling, PoolingType};
 pub use tokenizer::Tokenizer;
 pub use weights::WeightDType;
 

@@ -6,7 +6,7 @@ use crate::timing::*;
 use crate::{AppState, ServerConfig};
 use axum::http::StatusCode;
 use ingot_core::{AdmissionError, InvalidParam, SamplingParams};
-use ingot_engine::{Events, Failure, SubmitError};
+use ingot_engine::{EngineHandle, Events, Failure, SubmitError};
 
 pub(crate) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
@@ -19,6 +19,16 @@ pub(crate) fn check_model(state: &AppState, model: &Option<String>) -> Result<()
         )
         .with_param("model")),
         _ => Ok(()),
+    }
+}
+
+/// Refuses text generation on a server that runs an embedding model.
+pub(crate) fn check_generates(engine: &EngineHandle, endpoint: &str) -> Result<(), ApiError> {
+    match engine.pooling() {
+        Some(_) => Err(ApiError::bad_request(format!(
+            "this server runs an embedding model (--task embed): {endpoint} needs a generating model; use /v1/embeddings"
+        ))),
+        None => Ok(()),
     }
 }
 

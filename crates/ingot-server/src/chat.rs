@@ -44,6 +44,7 @@ pub(crate) async fn chat_completions(
     let req: ChatRequest = protocol::parse(&body, protocol::CHAT_FIELDS)?;
     check_model(&state, &req.model)?;
     let engine = state.engine()?;
+    check_generates(engine, "/v1/chat/completions")?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty").with_param("messages"));
     }

@@ -20,6 +20,7 @@ pub(crate) async fn completions(
     let req: CompletionRequest = protocol::parse(&body, protocol::COMPLETION_FIELDS)?;
     check_model(&state, &req.model)?;
     let engine = state.engine()?;
+    check_generates(engine, "/v1/completions")?;
     if req.best_of.is_some_and(|b| b > 1) {
         return Err(ApiError::bad_request("`best_of` is not supported").with_param("best_of"));
     }

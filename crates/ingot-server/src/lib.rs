@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP API: completions and chat completions (plain and streamed as
-//! server-sent events), models, health, version, metrics, tokenize and detokenize; and a
-//! chat page at `/`.
+//! server-sent events), embeddings, models, health, version, metrics, tokenize and
+//! detokenize; and a chat page at `/`.
 //!
 //! A request goes: `protocol` (the body, typed) → `completions` or `chat` (prompts and
 //! sampling parameters; `tools` for tool calls) → `admission` (into the engine) → `response`
@@ -10,6 +10,7 @@ mod admission;
 mod chat;
 mod chat_page;
 mod completions;
+mod embeddings;
 pub mod error;
 pub mod metrics;
 pub mod protocol;
@@ -85,6 +86,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/models", get(models))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

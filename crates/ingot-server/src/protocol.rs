@@ -646,3 +646,64 @@ pub struct ErrorBody {
     pub param: Option<String>,
     pub code: u16,
 }
+
+/// `POST /v1/embeddings`: OpenAI's body (`user` is accepted and not used).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddingRequest {
+    pub model: Option<String>,
+    pub input: Prompt,
+    #[serde(default)]
+    pub encoding_format: EncodingFormat,
+    pub dimensions: Option<usize>,
+    pub user: Option<String>,
+}
+
+#[derive(Deserialize, Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum EncodingFormat {
+    #[default]
+    Float,
+    /// The little-endian f32 bytes, base64-encoded.
+    Base64,
+}
+
+#[derive(Serialize, Debug)]
+pub struct EmbeddingResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub data: Vec<EmbeddingData>,
+    pub usage: EmbeddingUsage,
+}
+
+#[derive(Serialize, Debug)]
+pub struct EmbeddingData {
+    pub object: &'static str,
+    pub index: usize,
+    pub embedding: EmbeddingVector,
+}
+
+#[derive(Serialize, Debug)]
+#[serde(untagged)]
+pub enum EmbeddingVector {
+    Float(Vec<f32>),
+    Base64(String),
+}
+
+#[derive(Serialize, Debug)]
+pub struct EmbeddingUsage {
+    pub prompt_tokens: usize,
+    pub total_tokens: usize,
+}
+
+/// Parses a JSON body into `T`, whose own `deny_unknown_fields` refuses unknown fields;
+/// errors are 400s that name the field.
+pub fn parse_body<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
+    let value = parse_json(body)?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    }
+    from_value(&value)
+}

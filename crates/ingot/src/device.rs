@@ -1,10 +1,10 @@
 //! Which backend runs the model (`--device`) and how the model is read (`--load-format`),
 //! shared by every command that loads one.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use ingot_backend::cpu::CpuBackend;
 use ingot_backend::Backend;
-use ingot_model::{Checkpoint, Model, Tokenizer, WeightDType};
+use ingot_model::{Checkpoint, Model, Pooling, Tokenizer, WeightDType};
 use std::path::PathBuf;
 use std::str::FromStr;
 
@@ -46,6 +46,33 @@ pub enum LoadFormat {
     Auto,
     /// Random weights at the shapes of the directory's config.json (benchmarks).
     Dummy,
+}
+
+/// `--task`: what the model serves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Task {
+    /// Embeddings where the model's files declare a pooling (sentence-transformers'
+    /// modules.json, a GGUF's pooling_type), else text generation.
+    #[default]
+    Auto,
+    Generate,
+    /// Embeddings (`/v1/embeddings`), with the pooling the model's files declare or else
+    /// the last token's hidden state, L2-normalized.
+    Embed,
+}
+
+/// The flags that say whether and how the model embeds.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TaskArgs {
+    /// auto (embeddings where the model's files declare a pooling, else generation),
+    /// generate, or embed (/v1/embeddings; the chat and completions endpoints refuse).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub task: Task,
+    /// JSON that overrides the model's config.json, as vLLM's flag; ingot takes
+    /// `is_matryoshka` and `matryoshka_dimensions` (which `dimensions` an embedding
+    /// request may ask for) and refuses other keys.
+    #[arg(long)]
+    pub hf_overrides: Option<String>,
 }
 
 /// The flags that say which model to load, where, and how.
@@ -126,12 +153,77 @@ impl ModelArgs {
         bail!("this ingot was built without the `wgpu` feature")
     }
 
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        match self.load_format {
+            LoadFormat::Auto => Checkpoint::open(&self.model),
+            LoadFormat::Dummy => Checkpoint::dummy(&self.model),
+        }
+    }
+
+    /// The pooling `--task` gives the model: `None` where it generates text.
+    pub fn pooling(&self, args: &TaskArgs) -> Result<Option<Pooling>> {
+        let overrides: serde_json::Map<String, serde_json::Value> = match &args.hf_overrides {
+            Some(text) => {
+                serde_json::from_str(text).context("--hf-overrides must be a JSON object")?
+            }
+            None => Default::default(),
+        };
+        if let Some(k) = overrides
+            .keys()
+            .find(|k| !["is_matryoshka", "matryoshka_dimensions"].contains(&k.as_str()))
+        {
+            bail!("--hf-overrides: `{k}` is not supported (is_matryoshka and matryoshka_dimensions are)");
+        }
+        let task = args.task;
+        if task == Task::Generate {
+            if !overrides.is_empty() {
+                bail!("--hf-overrides sets embedding options, but --task is generate");
+            }
+            return Ok(None);
+        }
+        let declared = Pooling::declared(&self.checkpoint()?)?;
+        let pooling = match (task, declared) {
+            (Task::Auto, None) => return Ok(None),
+            (_, Some(p)) => {
+                tracing::info!("task embed ({:?}): the model's files declare it", task);
+                p
+            }
+            (_, None) => {
+                tracing::info!("task embed: the model's files declare no pooling; last token");
+                Pooling::last_token()
+            }
+        };
+        let mut pooling = pooling;
+        if let Some(dims) = overrides.get("matryoshka_dimensions") {
+            let dims: Vec<usize> = serde_json::from_value(dims.clone())
+                .context("--hf-overrides: matryoshka_dimensions must be a list of sizes")?;
+            pooling.matryoshka = Some(dims);
+        } else if let Some(on) = overrides.get("is_matryoshka") {
+            let on = on
+                .as_bool()
+                .context("--hf-overrides: is_matryoshka must be true or false")?;
+            pooling.matryoshka = on.then(Vec::new);
+        }
+        tracing::info!(
+            "embeddings: {} pooling{}{}",
+            pooling.kind.as_str(),
+            if pooling.normalize {
+                ", L2-normalized"
+            } else {
+                ""
+            },
+            if pooling.matryoshka.is_some() {
+                ", Matryoshka dimensions"
+            } else {
+                ""
+            }
+        );
+        Ok(Some(pooling))
+    }
+
     /// Loads the model onto `backend`.
     pub fn load<B: Backend>(&self, backend: &B) -> Result<(Model<B>, Tokenizer)> {
-        let ckpt = match self.load_format {
-            LoadFormat::Auto => Checkpoint::open(&self.model)?,
-            LoadFormat::Dummy => Checkpoint::dummy(&self.model)?,
-        };
+        let ckpt = self.checkpoint()?;
         let Some(path) = &self.tokenizer else {
             return ingot_model::load_checkpoint(backend, &ckpt, self.dtype);
         };

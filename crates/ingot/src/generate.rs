@@ -110,6 +110,7 @@ impl EngineArgs {
             prefix_caching: !self.no_prefix_caching,
             enforce_eager: self.enforce_eager,
             max_waiting: None,
+            pooling: None,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! while the model loads), and on SIGTERM or Ctrl-C stops accepting, aborts the requests
 //! that have not started, lets running ones finish within a grace period, and exits 0.
 
-use crate::device::{ModelArgs, OnBackend};
+use crate::device::{ModelArgs, OnBackend, TaskArgs};
 use crate::generate::EngineArgs;
 use anyhow::{Context, Result};
 use ingot_backend::Backend;
@@ -16,6 +16,8 @@ use std::time::Duration;
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    task: TaskArgs,
     #[arg(long, default_value = "0.0.0.0")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -33,7 +35,7 @@ pub struct Args {
     /// Most samples (`n`) one request may ask for.
     #[arg(long, default_value_t = 128)]
     max_n: usize,
-    /// Most prompts in one completions request.
+    /// Most prompts in one completions request, and inputs in one embeddings request.
     #[arg(long, default_value_t = 256)]
     max_prompts_per_request: usize,
     /// Let the model decide to call tools (`tool_choice` `auto`, the default when a
@@ -76,14 +78,20 @@ async fn shutdown_signal() {
 /// Loads the model on the chosen backend and starts the engine thread.
 struct StartEngine {
     model: ModelArgs,
+    task: TaskArgs,
     config: EngineConfig,
 }
 
 impl OnBackend for StartEngine {
     type Output = EngineHandle;
     fn run<B: Backend + 'static>(self, backend: B) -> Result<EngineHandle> {
+        let pooling = self.model.pooling(&self.task)?;
         let (model, tokenizer) = self.model.load(&backend)?;
-        let engine = Engine::new(backend, model, Arc::new(tokenizer), self.config)?;
+        let config = EngineConfig {
+            pooling,
+            ..self.config
+        };
+        let engine = Engine::new(backend, model, Arc::new(tokenizer), config)?;
         Ok(EngineHandle::spawn(engine))
     }
 }
@@ -129,6 +137,7 @@ async fn serve(args: Args) -> Result<()> {
     let loading = state.clone();
     let job = StartEngine {
         model: args.model.clone(),
+        task: args.task.clone(),
         config: EngineConfig {
             max_waiting: Some(args.max_waiting),
             ..args.engine.config()

@@ -523,4 +523,28 @@ impl Backend for CpuBackend {
             o.copy_from_slice(&x[i as usize * dim..][..dim]);
         }
     }
+
+    fn segment_sum(
+        &self,
+        x: &CpuBuffer,
+        query_start_loc: &CpuBuffer,
+        num_seqs: usize,
+        dim: usize,
+        out: &mut CpuBuffer,
+    ) {
+        let _t = self.profile.time(|| "segment_sum".into());
+        let x = x.f32();
+        let qsl = &query_start_loc.i32()[..num_seqs + 1];
+        for (o, w) in out.f32_mut()[..num_seqs * dim]
+            .chunks_mut(dim)
+            .zip(qsl.windows(2))
+        {
+            o.fill(0.0);
+            for row in x[w[0] as usize * dim..w[1] as usize * dim].chunks(dim) {
+                for (a, v) in o.iter_mut().zip(row) {
+                    *a += v;
+                }
+            }
+        }
+    }
 }

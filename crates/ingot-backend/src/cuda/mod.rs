@@ -1265,4 +1265,16 @@ impl Backend for CudaBackend {
         let (xp, i, d, o) = (x.ptr, indices.ptr, dim as i32, out.ptr);
         launch!(self, format!("gather_rows_{}", suffix(x.dtype)), (n as u32, 1, 1), row_threads(dim).min(256); xp, i, d, o);
     }
+
+    fn segment_sum(
+        &self,
+        x: &CudaBuffer,
+        query_start_loc: &CudaBuffer,
+        num_seqs: usize,
+        dim: usize,
+        out: &mut CudaBuffer,
+    ) {
+        let (xp, q, d, o) = (x.ptr, query_start_loc.ptr, dim as i32, out.ptr);
+        launch!(self, format!("segment_sum_{}", suffix(x.dtype)), (num_seqs as u32, 1, 1), row_threads(dim).min(256); xp, q, d, o);
+    }
 }

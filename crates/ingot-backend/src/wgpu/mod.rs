@@ -1402,6 +1402,24 @@ impl Backend for WgpuBackend {
             (n * dim).div_ceil(WG as usize),
         );
     }
+
+    fn segment_sum(
+        &self,
+        x: &WgpuBuffer,
+        query_start_loc: &WgpuBuffer,
+        num_seqs: usize,
+        dim: usize,
+        out: &mut WgpuBuffer,
+    ) {
+        self.dispatch(
+            &shader::ELEMENTWISE,
+            "segment_sum",
+            DType::F32,
+            &words(&[num_seqs * dim, dim]),
+            &[(1, &x.buf), (2, &query_start_loc.buf), (3, &out.buf)],
+            (num_seqs * dim).div_ceil(WG as usize),
+        );
+    }
 }
 
 #[cfg(test)]

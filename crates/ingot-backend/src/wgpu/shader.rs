@@ -93,7 +93,7 @@ pub const NORM: Kernel = Kernel {
 
 pub const ELEMENTWISE: Kernel = Kernel {
     file: "elementwise",
-    entries: &["add_assign", "silu_mul", "gather_rows"],
+    entries: &["add_assign", "silu_mul", "gather_rows", "segment_sum"],
     source: include_str!("kernels/elementwise.wgsl"),
     typed: &[],
     reduces: false,

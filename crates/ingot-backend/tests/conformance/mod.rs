@@ -323,6 +323,25 @@ pub fn row_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             dtype,
             &format!("gather_rows {dtype}"),
         );
+        // Sequences of 1, 5, 300 and 2 rows: one row, a few, more than a workgroup.
+        let qsl = [0, 1, 6, 306, 308];
+        let src = round(&randn(&mut rng, 308 * 131), dtype);
+        let mut out = poisoned(g, DType::F32, 4 * 131);
+        g.segment_sum(&up(g, &src, dtype), &up_i32(g, &qsl), 4, 131, &mut out);
+        let mut want = c.alloc(DType::F32, 4 * 131).unwrap();
+        c.segment_sum(
+            &up(&c, &src, DType::F32),
+            &up_i32(&c, &qsl),
+            4,
+            131,
+            &mut want,
+        );
+        check(
+            &g.download_f32(&out, 4 * 131).unwrap(),
+            &c.download_f32(&want, 4 * 131).unwrap(),
+            DType::F32,
+            &format!("segment_sum {dtype}"),
+        );
     }
 }
 

@@ -58,6 +58,7 @@ pub fn runner_on<B: Backend>(
         num_blocks,
         kv_cache_dtype: model.weights.activation_dtype,
         enforce_eager: false,
+        head: ingot_model::Head::Logits,
     };
     ModelRunner::new(backend, model, cfg).unwrap()
 }
@@ -513,4 +514,121 @@ pub fn constrained_greedy_on_the_device_matches_the_cpu<B: Backend + 'static>(ba
     } else {
         assert!(c.text.starts_with('{'), "{}", c.text);
     }
+}
+
+/// transformers' pooled vectors of the tiny random Qwen3 (tools/reference/make_embedding_fixtures.py).
+pub struct EmbeddingFixture {
+    pub weights_sha256: String,
+    pub inputs: Vec<Vec<u32>>,
+    /// Per pooling (`last`, `mean`, `cls`), one normalized vector per input.
+    pub pooled: std::collections::HashMap<String, Vec<Vec<f32>>>,
+}
+
+pub fn embedding_fixture() -> EmbeddingFixture {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/embeddings/qwen3_tiny.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    EmbeddingFixture {
+        weights_sha256: v["meta"]["weights_sha256"].as_str().unwrap().to_string(),
+        inputs: serde_json::from_value(v["inputs"].clone()).unwrap(),
+        pooled: serde_json::from_value(v["pooled"].clone()).unwrap(),
+    }
+}
+
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(&p, &q)| p as f64 * q as f64)
+            .sum::<f64>()
+    };
+    dot(a, b) / (dot(a, a).sqrt() * dot(b, b).sqrt())
+}
+
+/// An embedding engine on `backend` for the model in `dir`, with the pooling its files
+/// declare and a small token budget, so that long inputs run in chunks.
+pub fn embedding_engine<B: Backend + 'static>(
+    backend: B,
+    dir: &Path,
+    budget: usize,
+    prefix_caching: bool,
+) -> ingot_engine::Engine<B> {
+    use ingot_engine::{Engine, EngineConfig};
+    let ckpt = ingot_model::Checkpoint::open(dir).unwrap();
+    let pooling = ingot_model::Pooling::declared(&ckpt)
+        .unwrap()
+        .expect("pooling files");
+    let (m, t) = ingot_model::load_checkpoint(&backend, &ckpt, WeightDType::F32).unwrap();
+    let config = EngineConfig {
+        max_num_batched_tokens: budget,
+        max_num_seqs: Some(8),
+        max_model_len: Some(512),
+        kv_cache_memory: Some(64 << 20),
+        prefix_caching,
+        pooling: Some(pooling),
+        ..EngineConfig::default()
+    };
+    Engine::new(backend, m, std::sync::Arc::new(t), config).unwrap()
+}
+
+/// The tiny random Qwen3 with each pooling (last-token, mean, CLS; normalized) on the
+/// backend `device()` opens gives transformers' vectors (cosine ≥ `min_cosine`) for inputs
+/// of 1 to 333 tokens, each alone and all in one batch whose long inputs run in chunks;
+/// the batch's vectors equal the lone ones within `batch_tol` (a device's products may
+/// sum in another order for another number of rows).
+pub fn embeddings_match_transformers<B: Backend + 'static>(
+    device: impl Fn() -> B,
+    min_cosine: f64,
+    batch_tol: f32,
+) {
+    use ingot_model::synthetic::SyntheticSpec;
+    use ingot_model::{Arch, PoolingType};
+    use sha2::Digest;
+    let fixture = embedding_fixture();
+    let dir = std::env::temp_dir().join(format!("ingot-embed-{}", std::process::id()));
+    let spec = SyntheticSpec::tiny(Arch::Qwen3);
+    spec.write(&dir).unwrap();
+    let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+    assert_eq!(
+        format!("{:x}", sha2::Sha256::digest(&weights)),
+        fixture.weights_sha256,
+        "the synthetic Qwen3 is not the model the fixture was made from: remake it (tools/reference/README.md)"
+    );
+    for (kind, name) in [
+        (PoolingType::Last, "last"),
+        (PoolingType::Mean, "mean"),
+        (PoolingType::Cls, "cls"),
+    ] {
+        ingot_model::pooling::write_sentence_transformers(&dir, kind, true, spec.hidden_size)
+            .unwrap();
+        let mut engine = embedding_engine(device(), &dir, 64, true);
+        let alone: Vec<Vec<f32>> = fixture
+            .inputs
+            .iter()
+            .map(|i| engine.embed(vec![i.clone()], None).unwrap().remove(0))
+            .collect();
+        let batch = engine.embed(fixture.inputs.clone(), None).unwrap();
+        let (mut worst, mut worst_batch) = (1f64, 0f32);
+        for (i, want) in fixture.pooled[name].iter().enumerate() {
+            let c = cosine(&alone[i], want);
+            worst = worst.min(c);
+            assert!(
+                c >= min_cosine,
+                "{name} pooling, input of {} tokens: cosine {c} to transformers",
+                fixture.inputs[i].len()
+            );
+            let diff = alone[i]
+                .iter()
+                .zip(&batch[i])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            worst_batch = worst_batch.max(diff);
+            assert!(
+                diff <= batch_tol,
+                "{name} pooling, input {i}: batch differs by {diff}"
+            );
+        }
+        println!("{name} pooling: worst cosine to transformers {worst:.9}, batch against alone {worst_batch:.1e}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }

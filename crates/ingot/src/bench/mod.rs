@@ -1,5 +1,6 @@
 //! `ingot bench`: measured performance of the engine, from its own timestamps.
 
+mod embed;
 pub(crate) mod latency;
 pub(crate) mod serve;
 mod throughput;
@@ -18,6 +19,9 @@ pub enum Command {
     Latency(latency::LatencyArgs),
     /// Run many requests of given or random lengths at once: requests/s and tokens/s.
     Throughput(throughput::ThroughputArgs),
+    /// Embed batches of random inputs with an embedding model (`--task embed`'s engine):
+    /// inputs/s and tokens/s.
+    Embed(embed::EmbedArgs),
     /// Load an OpenAI-compatible server over HTTP (ingot, llama-server, vLLM): TTFT, TPOT,
     /// ITL and end-to-end latency under a request rate or a concurrency cap.
     Serve(serve::ServeArgs),
@@ -27,6 +31,7 @@ pub fn run(cmd: Command) -> Result<()> {
     match cmd {
         Command::Latency(args) => args.model.clone().on_backend(args),
         Command::Throughput(args) => args.model.clone().on_backend(args),
+        Command::Embed(args) => args.model.clone().on_backend(args),
         Command::Serve(args) => serve::run(args),
     }
 }

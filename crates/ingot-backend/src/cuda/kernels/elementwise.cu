@@ -248,6 +248,18 @@ __device__ void gather_rows(const T* x, const int* indices, int dim, T* out) {
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = src[i];
 }
 
+// out[s, j] = sum of x[r, j] over rows r in qsl[s]..qsl[s+1], in row order, in f32.
+template <typename T>
+__device__ void segment_sum(const T* x, const int* qsl, int dim, float* out) {
+    const long long s = blockIdx.x;
+    const int begin = qsl[s], end = qsl[s + 1];
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+        float acc = 0.0f;
+        for (int r = begin; r < end; ++r) acc += to_f32(x[(long long)r * dim + j]);
+        out[s * dim + j] = acc;
+    }
+}
+
 // out[i, j] += bias[j] over columns [0, n) of rows `ld` apart (the matmul's bias when no
 // cuBLASLt epilogue takes it).
 template <typename T>
@@ -299,6 +311,10 @@ __device__ void bias_add(T* out, const float* bias, int n, long long ld) {
     extern "C" __global__ void gather_rows_##S(const T* x, const int* idx, int dim, T* out) {      \
         await_previous_kernel();                                                                   \
         gather_rows<T>(x, idx, dim, out);                                                          \
+    }                                                                                              \
+    extern "C" __global__ void segment_sum_##S(const T* x, const int* qsl, int dim, float* out) {  \
+        await_previous_kernel();                                                                   \
+        segment_sum<T>(x, qsl, dim, out);                                                          \
     }                                                                                              \
     extern "C" __global__ void bias_add_##S(T* out, const float* bias, int n, long long ld) {      \
         await_previous_kernel();                                                                   \

@@ -46,3 +46,21 @@ fn gather_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw
     let r = i / p.width;
     out[i] = a[u32(idx[r]) * p.width + (i - r * p.width)];
 }
+
+// out[s, c] = sum of a[r, c] over rows r in idx[s]..idx[s+1] (query_start_loc), in row
+// order, for n = num_seqs * width outputs.
+@compute @workgroup_size(256)
+fn segment_sum(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let i = element(wg, nwg, lid);
+    if (i >= p.n) {
+        return;
+    }
+    let s = i / p.width;
+    let c = i - s * p.width;
+    var acc = 0.0;
+    for (var r = u32(idx[s]); r < u32(idx[s + 1u]); r++) {
+        acc += a[r * p.width + c];
+    }
+    out[i] = acc;
+}
