@@ -189,6 +189,29 @@ fn greedy_tokens_across_batches_and_budgets() {
     );
 }
 
+/// A prompt longer than the token budget, alone: its first steps are chunks that end no
+/// prompt and have no logits rows (launching their row kernels over an empty grid failed
+/// until 2026-11-27). It runs to its tokens, which track the unchunked run's.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_prompt_longer_than_the_budget_runs_alone_in_chunks() {
+    let prompt: Vec<u32> = cases()
+        .iter()
+        .flat_map(|c| c.prompt.clone())
+        .take(300)
+        .collect();
+    let whole = greedy_tokens(&mut engine(2048), std::slice::from_ref(&prompt), 16).remove(0);
+    let chunked = greedy_tokens(&mut engine(64), std::slice::from_ref(&prompt), 16).remove(0);
+    assert_eq!(chunked.len(), 16);
+    let same = chunked
+        .iter()
+        .zip(&whole)
+        .take_while(|(a, b)| a == b)
+        .count();
+    println!("chunks of 64: {same}/16 tokens before the first divergence from one chunk");
+    assert!(same >= 4, "chunked {chunked:?}, whole {whole:?}");
+}
+
 /// The CPU engine and the CUDA engine agree on a quick f32 generation.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]

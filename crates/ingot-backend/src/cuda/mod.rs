@@ -308,6 +308,11 @@ impl CudaBackend {
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<()> {
         use cudarc::driver::sys;
+        // CUDA refuses empty grids; a kernel over no rows (a step of prompt chunks that
+        // ends no prompt has no logits rows) has nothing to do.
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
         self.ctx.bind_to_thread()?;
         if shared > 0 {
             sys::cuFuncSetAttribute(

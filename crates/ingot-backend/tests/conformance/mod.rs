@@ -342,6 +342,16 @@ pub fn row_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             DType::F32,
             &format!("segment_sum {dtype}"),
         );
+        // A step of prompt chunks that ends no prompt has no logits rows: the row ops take
+        // zero rows and do nothing.
+        let x = up(g, &src, dtype);
+        let mut none = poisoned(g, dtype, 131);
+        g.gather_rows(&x, &up_i32(g, &idx), 0, 131, &mut none);
+        let w = up(g, &vec![1.0; 131], DType::F32);
+        g.rms_norm(&x, &w, 1e-6, 0, 131, &mut none);
+        let mut ids = g.alloc(DType::I32, 1).unwrap();
+        g.argmax(&up(g, &src, DType::F32), 0, 131, &mut ids);
+        g.synchronize().expect("ops over zero rows");
     }
 }
 
