@@ -15,8 +15,14 @@ struct Server {
 
 impl Server {
     async fn start(tag: &str, extra: &[&str]) -> Server {
+        Self::start_with(tag, extra, |_| {}).await
+    }
+
+    /// As [`start`](Self::start), with `prepare` run on the model directory first.
+    async fn start_with(tag: &str, extra: &[&str], prepare: fn(&std::path::Path)) -> Server {
         let dir = std::env::temp_dir().join(format!("ingot-server-{tag}-{}", std::process::id()));
         SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
+        prepare(&dir);
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -644,4 +650,69 @@ async fn bench_serve_counts_tokens_and_failures() {
     );
     assert!(r["errors"][0].as_str().unwrap().contains("404"), "{r}");
     assert!(r["ttft_ms"].is_null());
+}
+
+fn mean_pooling_files(dir: &std::path::Path) {
+    ingot_model::pooling::write_sentence_transformers(
+        dir,
+        ingot_model::PoolingType::Mean,
+        true,
+        64,
+    )
+    .unwrap();
+}
+
+/// A model directory with sentence-transformers' pooling files serves embeddings without
+/// `--task`, and not text; `--task generate` turns that around.
+#[tokio::test]
+async fn pooling_files_turn_embeddings_on() {
+    let s = Server::start_with(
+        "embed",
+        &["--max-prompts-per-request", "4"],
+        mean_pooling_files,
+    )
+    .await;
+    let (code, v) = post(
+        &s.base,
+        "/v1/embeddings",
+        json!({"input": [[1, 2, 3], [4]]}),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    for d in data {
+        let e: Vec<f64> = serde_json::from_value(d["embedding"].clone()).unwrap();
+        assert_eq!(e.len(), 64);
+        assert!((e.iter().map(|x| x * x).sum::<f64>() - 1.0).abs() < 1e-5);
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], 4);
+    let (code, v) = post(
+        &s.base,
+        "/v1/embeddings",
+        json!({"input": [[1], [2], [3], [4], [5]]}),
+    )
+    .await;
+    assert_eq!(
+        (code, v["error"]["param"].as_str()),
+        (400, Some("input")),
+        "{v}"
+    );
+    let (code, v) = post(&s.base, "/v1/completions", json!({"prompt": [1, 2]})).await;
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--task embed"));
+
+    let g = Server::start_with("embed-gen", &["--task", "generate"], mean_pooling_files).await;
+    let (code, v) = post(&g.base, "/v1/embeddings", json!({"input": [[1, 2]]})).await;
+    assert_eq!(code, 400, "{v}");
+    let (code, v) = post(
+        &g.base,
+        "/v1/completions",
+        json!({"prompt": [1, 2], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
 }
