@@ -286,3 +286,48 @@ fn a_constraint_starts_after_the_reasoning_ends() {
         c.text
     );
 }
+
+/// Greedy rows pick their argmax without the mask and pick again under it only where the
+/// grammar refuses that token; rows that report logprobs take their masks first. Both give
+/// the same tokens, and the refusals happen (a phone-number regex after a question about a
+/// name refuses the model's first choice).
+#[test]
+fn greedy_tokens_checked_after_the_pick_equal_masked_picks() {
+    let Some(mut e) = engine(WeightDType::F16) else {
+        return;
+    };
+    let cases = [
+        (
+            "What is your name?",
+            StructuredOutput::Regex("[0-9]{3}-[0-9]{4}".into()),
+        ),
+        (
+            "Describe a person.",
+            StructuredOutput::JsonSchema(person_schema()),
+        ),
+        (
+            "Is the sky green?",
+            StructuredOutput::Choice(vec!["yes".into(), "no".into()]),
+        ),
+        ("List three fruits as JSON.", StructuredOutput::JsonObject),
+    ];
+    let refused_before = e.stats().structured.refused;
+    for (question, spec) in cases {
+        let prompt = chat(&e, question);
+        let checked = run(&mut e, prompt.clone(), constrained(spec.clone(), 60));
+        let masked = SamplingParams {
+            logprobs: Some(0),
+            ..constrained(spec, 60)
+        };
+        let masked = run(&mut e, prompt, masked);
+        assert_eq!(
+            checked.completions[0].token_ids, masked.completions[0].token_ids,
+            "{question}: `{}` against `{}`",
+            checked.completions[0].text, masked.completions[0].text
+        );
+    }
+    assert!(
+        e.stats().structured.refused > refused_before,
+        "no token was refused"
+    );
+}
