@@ -154,8 +154,8 @@ pub struct EngineStats {
     pub structured: StructuredStats,
 }
 
-/// Structured-output work since start: token masks computed, the steps that computed them
-/// ahead of their picks, and the time they took; greedy tokens the grammar refused.
+/// Structured-output work since start: token masks computed, the steps that computed them,
+/// and the time they took.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StructuredStats {
     pub masks: u64,
@@ -167,8 +167,6 @@ pub struct StructuredStats {
     /// Summed over steps: the wall time of advancing each step's grammars past their new
     /// tokens, in parallel.
     pub accept_seconds: f64,
-    /// Tokens picked without their mask that the grammar refused, picked again under it.
-    pub refused: u64,
 }
 
 /// Samples 2..n of a request, made only once the first sample's prefill is done: then they
@@ -240,15 +238,13 @@ struct InFlight {
     /// The rows and edits of a step sampled on the device, queued with its masks once
     /// they are in; taken then.
     device_rows: Option<(Vec<SampleRow>, Vec<LogitEdit>)>,
-    /// Per sampled row: picked without its grammar's mask ([`Engine::picks_unmasked`]).
-    unmasked: Vec<bool>,
 }
 
 /// Masks being computed on the worker threads.
 struct MaskJob(mpsc::Receiver<Masks>);
 
-/// Computed masks: the constraints that hold them, how many masks, the sum of their times
-/// and the wall time of the whole.
+/// Computed masks: the constraints that hold them (and that the job took for any other
+/// reason), how many masks, the sum of their times and the wall time of the whole.
 struct Masks {
     rows: Vec<(SeqId, Constraint)>,
     computed: usize,
@@ -256,12 +252,14 @@ struct Masks {
     wall: Duration,
 }
 
-/// Computes the masks of the constraints in `rows`, in parallel.
-fn compute_masks(mut rows: Vec<(SeqId, Constraint)>) -> Masks {
+/// Computes the masks of the constraints flagged in `rows`, in parallel.
+fn compute_masks(mut rows: Vec<(SeqId, Constraint)>, wanted: &[bool]) -> Masks {
     let start = Instant::now();
     let (total, computed) = rows
         .par_iter_mut()
-        .map(|(_, c)| (c.compute_mask(), 1))
+        .zip(wanted)
+        .filter(|(_, &w)| w)
+        .map(|((_, c), _)| (c.compute_mask(), 1))
         .reduce(|| (Duration::ZERO, 0), |a, b| (a.0 + b.0, a.1 + b.1));
     Masks {
         rows,
@@ -274,11 +272,6 @@ fn compute_masks(mut rows: Vec<(SeqId, Constraint)>) -> Masks {
 /// A sampled sequence's token, before it is committed.
 struct Pick {
     id: SeqId,
-    /// The row of the step's logits it was picked from.
-    row: usize,
-    /// Picked without the grammar's mask: to check against the grammar, and to pick again
-    /// under the mask where the grammar refuses it.
-    unmasked: bool,
     /// The sequence's output tokens before this one.
     num_before: usize,
     /// The token and its logprobs, or why the sequence cannot go on.
@@ -901,7 +894,7 @@ impl<B: Backend> Engine<B> {
                 let info = f.info;
                 Some(match picked {
                     Sampled::Pooled(rows) => (info, Done::Pooled(self.commit_pooled(f, rows))),
-                    picked => (info, Done::Tokens(self.commit(f, picked)?)),
+                    picked => (info, Done::Tokens(self.commit(f, picked))),
                 })
             }
             None => None,
@@ -932,15 +925,14 @@ impl<B: Backend> Engine<B> {
 
     /// Starts the token masks that the constrained rows of a submitted step still lack
     /// (rows whose grammar did not just advance: their first token, or back from
-    /// preemption) on the worker threads; rows picked without their mask need none.
-    fn start_masks(&mut self, sampled: &[SeqId], unmasked: &[bool]) {
+    /// preemption) on the worker threads.
+    fn start_masks(&mut self, sampled: &[SeqId]) {
         let rows: Vec<(SeqId, Constraint)> = sampled
             .iter()
-            .zip(unmasked)
-            .filter_map(|(id, &u)| {
+            .filter_map(|id| {
                 let st = self.seqs.get_mut(id)?;
                 let c = st.constraint.as_ref()?;
-                (c.is_active() && !c.has_mask() && !u).then_some(())?;
+                (c.is_active() && !c.has_mask()).then_some(())?;
                 Some((*id, st.constraint.take()?))
             })
             .collect();
@@ -949,8 +941,9 @@ impl<B: Backend> Engine<B> {
         }
         let (tx, rx) = mpsc::channel();
         rayon::spawn(move || {
+            let wanted = vec![true; rows.len()];
             // The engine waits for this unless it failed and went away.
-            let _ = tx.send(compute_masks(rows));
+            let _ = tx.send(compute_masks(rows, &wanted));
         });
         self.mask_jobs.push(MaskJob(rx));
     }
@@ -990,8 +983,7 @@ impl<B: Backend> Engine<B> {
         let mut masks = vec![];
         for (row, id) in rows.iter_mut().zip(&f.sampled) {
             let constraint = self.seqs.get(id).and_then(|s| s.constraint.as_ref());
-            // A failed mask leaves the row unmasked: commit drops its token. Rows picked
-            // without their mask have none.
+            // A failed mask leaves the row unmasked: commit drops its token.
             if let Some(Ok(Some(mask))) = constraint.map(|c| c.allowed()) {
                 let n = mask.len().min(words);
                 masks.extend_from_slice(&mask[..n]);
@@ -1024,24 +1016,12 @@ impl<B: Backend> Engine<B> {
                 st.queue_time = Some(arrival.elapsed());
             }
         }
-        let unmasked: Vec<bool> = sampled
-            .iter()
-            .map(|id| {
-                let seq = self.scheduler.get(*id).expect("sampled sequences run");
-                self.picks_unmasked(*id, seq.num_output())
-            })
-            .collect();
-        // Plain greedy rows need only their argmax, which the device sends back alone:
-        // unconstrained rows, rows whose grammar waits for the end of their reasoning, and
-        // rows checked against their grammar afterwards.
-        let greedy = sampled.iter().zip(&unmasked).all(|(id, &u)| {
+        // Plain greedy rows need only their argmax, which the device sends back alone.
+        let greedy = sampled.iter().all(|id| {
             let seq = self.scheduler.get(*id).expect("sampled sequences run");
             let st = &self.seqs[id];
             // The constraint itself may be away, computing its mask.
-            let free = u
-                || st.sampler.params().structured.is_none()
-                || st.constraint.as_ref().is_some_and(|c| !c.is_active());
-            free && st.sampler.is_plain_greedy(seq.num_output())
+            st.sampler.params().structured.is_none() && st.sampler.is_plain_greedy(seq.num_output())
         });
         // Otherwise a device that samples picks the tokens (masked where a constraint
         // says) unless a row wants logprobs, which are computed from the logits on the
@@ -1053,7 +1033,7 @@ impl<B: Backend> Engine<B> {
         let started = Instant::now();
         self.runner.submit(&input)?;
         let in_runner = started.elapsed();
-        self.start_masks(&sampled, &unmasked);
+        self.start_masks(&sampled);
         let (picks, device_rows) = if greedy {
             (Picks::Ids, None)
         } else if on_device {
@@ -1078,7 +1058,6 @@ impl<B: Backend> Engine<B> {
             picks,
             info,
             device_rows,
-            unmasked,
         });
         Ok(in_runner)
     }
@@ -1109,7 +1088,6 @@ impl<B: Backend> Engine<B> {
             picks: Picks::Pooled,
             info,
             device_rows: None,
-            unmasked: vec![],
         });
         Ok(started.elapsed())
     }
@@ -1161,16 +1139,15 @@ impl<B: Backend> Engine<B> {
     /// Commits a step that has run: its computed tokens, and the token of each sampled
     /// sequence, which a stop token or `max_tokens` may end here (so that the next step
     /// does not run it).
-    fn commit(&mut self, f: InFlight, picked: Sampled) -> Result<Vec<NewToken>> {
+    fn commit(&mut self, f: InFlight, picked: Sampled) -> Vec<NewToken> {
         let ready = self.scheduler.commit(&f.out);
-        let mut picks = self.picks(f.sampled, picked, &f.unmasked);
-        let mut grammar_done = self.advance_grammars(&mut picks)?;
+        let picks = self.picks(f.sampled, picked);
+        let mut grammar_done = self.advance_grammars(&picks);
         let mut tokens = Vec::with_capacity(picks.len());
         for Pick {
             id,
             num_before,
             picked,
-            ..
         } in picks
         {
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
@@ -1213,82 +1190,12 @@ impl<B: Backend> Engine<B> {
             });
         }
         debug_assert_eq!(ready, tokens.iter().map(|t| t.id).collect::<Vec<_>>());
-        Ok(tokens)
-    }
-
-    /// Whether a sampled sequence's next token is picked without its grammar's mask and
-    /// checked against the grammar afterwards: plain greedy rows of an active grammar, whose
-    /// argmax under the mask is their argmax wherever the grammar allows that, so that only
-    /// a refused token costs a mask and the masks stay off the step's path. Rows that sample,
-    /// edit their logits or report logprobs take their masks first.
-    fn picks_unmasked(&self, id: SeqId, num_output: usize) -> bool {
-        let st = &self.seqs[&id];
-        st.constraint.as_ref().is_some_and(Constraint::is_active)
-            && st.sampler.is_plain_greedy(num_output)
-    }
-
-    /// Picks again, under their grammars' masks, the tokens the grammars refused (the
-    /// constraints hold those masks), advances the grammars past them, and returns the
-    /// constraints to their sequences.
-    fn repick_refused(
-        &mut self,
-        picks: &mut [Pick],
-        refused: Vec<(SeqId, Constraint)>,
-        done: &mut HashMap<SeqId, Result<bool>>,
-    ) -> Result<()> {
-        let words = mask_words(self.runner.vocab_size());
-        let (mut rows, mut sample_rows, mut masks, mut waiting) = (vec![], vec![], vec![], vec![]);
-        for (id, c) in refused {
-            match c.allowed() {
-                Ok(Some(mask)) => {
-                    let n = mask.len().min(words);
-                    masks.extend_from_slice(&mask[..n]);
-                    masks.resize(masks.len() + words - n, 0);
-                    let pick = picks
-                        .iter()
-                        .find(|p| p.id == id)
-                        .expect("refused picks exist");
-                    rows.push(pick.row as u32);
-                    sample_rows.push(SampleRow {
-                        mask: (masks.len() / words) as u32,
-                        ..SampleRow::default()
-                    });
-                    waiting.push((id, c));
-                }
-                Ok(None) => unreachable!("only an active grammar refuses a token"),
-                Err(e) => {
-                    done.insert(id, Err(e));
-                    self.seqs
-                        .get_mut(&id)
-                        .expect("picked sequences have state")
-                        .constraint = Some(c);
-                }
-            }
-        }
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let ids = self.runner.repick(&rows, &sample_rows, &masks)?;
-        self.structured_stats.refused += ids.len() as u64;
-        self.structured_stats.masks += ids.len() as u64;
-        for ((id, mut c), token) in waiting.into_iter().zip(ids) {
-            done.insert(id, c.accept(token));
-            let pick = picks
-                .iter_mut()
-                .find(|p| p.id == id)
-                .expect("refused picks exist");
-            pick.picked = Ok((token, None));
-            self.seqs
-                .get_mut(&id)
-                .expect("picked sequences have state")
-                .constraint = Some(c);
-        }
-        Ok(())
+        tokens
     }
 
     /// The token of each sampled sequence still running, with its output count before:
     /// read back, or sampled here from its logits (masked by its constraint).
-    fn picks(&mut self, sampled: Vec<SeqId>, picked: Sampled, unmasked: &[bool]) -> Vec<Pick> {
+    fn picks(&mut self, sampled: Vec<SeqId>, picked: Sampled) -> Vec<Pick> {
         let vocab = self.runner.vocab_size();
         let mut picks = Vec::with_capacity(sampled.len());
         for (k, id) in sampled.into_iter().enumerate() {
@@ -1298,8 +1205,6 @@ impl<B: Backend> Engine<B> {
             };
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
             let picked = match &picked {
-                // Picked without its mask: checked against the grammar next.
-                Sampled::Tokens(ids) if unmasked[k] => Ok((ids[k], None)),
                 // A constrained row's token stands only where its mask did.
                 Sampled::Tokens(ids) => match state.constraint.as_ref().map(|c| c.allowed()) {
                     Some(Err(e)) => Err(e),
@@ -1308,16 +1213,16 @@ impl<B: Backend> Engine<B> {
                 Sampled::Pooled(_) => unreachable!("commit_pooled takes pooled steps"),
                 Sampled::Logits(logits) => {
                     let mut row = logits[k * vocab..(k + 1) * vocab].to_vec();
-                    let constraint = state.constraint.as_ref().filter(|_| !unmasked[k]);
-                    state
-                        .sampler
-                        .sample(&mut row, &seq.tokens, seq.num_output(), constraint)
+                    state.sampler.sample(
+                        &mut row,
+                        &seq.tokens,
+                        seq.num_output(),
+                        state.constraint.as_ref(),
+                    )
                 }
             };
             picks.push(Pick {
                 id,
-                row: k,
-                unmasked: unmasked[k],
                 num_before: seq.num_output(),
                 picked,
             });
@@ -1327,20 +1232,17 @@ impl<B: Backend> Engine<B> {
 
     /// Advances the constraints of the picked tokens' sequences past their tokens, in
     /// parallel (a matcher's step takes microseconds, hundreds of rows one after another a
-    /// step's worth): `Ok(true)` where a grammar is complete. A token picked without its
-    /// mask that the grammar refuses gets its mask at once and is picked again under it
-    /// ([`repick_refused`](Self::repick_refused)). The same job then goes on to the masks
-    /// of the next tokens of the sequences that go on and take masks first, while this
-    /// thread commits, schedules and submits the next step;
-    /// [`finish_submit`](Self::finish_submit) takes them back.
-    fn advance_grammars(&mut self, picks: &mut [Pick]) -> Result<HashMap<SeqId, Result<bool>>> {
+    /// step's worth): `Ok(true)` where a grammar is complete. The same job then goes on to
+    /// the masks of the next tokens of the sequences that go on, while this thread
+    /// commits, schedules and submits the next step; [`finish_submit`](Self::finish_submit)
+    /// takes them back.
+    fn advance_grammars(&mut self, picks: &[Pick]) -> HashMap<SeqId, Result<bool>> {
         let mut rows = vec![];
         let mut tokens = vec![];
-        let mut unmasked = vec![];
         // Whether the sequence has a next token to mask (a stop token or its last token
-        // ends it here, and a plain greedy next token is picked without its mask).
-        let mut wants_mask = vec![];
-        for p in picks.iter() {
+        // ends it here).
+        let mut goes_on = vec![];
+        for p in picks {
             let Ok((token, _)) = &p.picked else { continue };
             let Some(st) = self.seqs.get_mut(&p.id) else {
                 continue;
@@ -1349,71 +1251,44 @@ impl<B: Backend> Engine<B> {
                 let params = st.sampler.params();
                 let n = p.num_before + 1;
                 let stops = n >= params.min_tokens && st.sampler.is_stop_token(*token);
-                let masked_next = !st.sampler.is_plain_greedy(n);
-                wants_mask.push(n < params.max_tokens && !stops && masked_next);
+                goes_on.push(n < params.max_tokens && !stops);
                 rows.push((p.id, c));
                 tokens.push(*token);
-                unmasked.push(p.unmasked);
             }
         }
         if rows.is_empty() {
-            return Ok(HashMap::new());
+            return HashMap::new();
         }
         let (accepted_tx, accepted_rx) = mpsc::channel();
         let (masks_tx, masks_rx) = mpsc::channel();
         rayon::spawn(move || {
             let start = Instant::now();
-            // `None` for a refused token, whose mask is then computed here.
-            let advanced: Vec<Option<Result<bool>>> = rows
+            let done: Vec<(SeqId, Result<bool>)> = rows
                 .par_iter_mut()
                 .zip(&tokens)
-                .zip(&unmasked)
-                .map(|(((_, c), &token), &u)| {
-                    if !u {
-                        return Some(c.accept(token));
-                    }
-                    let r = c.try_accept(token).transpose();
-                    if r.is_none() {
-                        c.compute_mask();
-                    }
-                    r
-                })
+                .map(|((id, c), &token)| (*id, c.accept(token)))
                 .collect();
-            // Constraints go back to the engine at once, but for those whose next mask is
-            // computed here.
-            let (mut done, mut refused, mut back, mut masking) = (vec![], vec![], vec![], vec![]);
-            for (((id, c), a), w) in rows.into_iter().zip(advanced).zip(wants_mask) {
-                match a {
-                    None => refused.push((id, c)),
-                    Some(d) => {
-                        let wanted = w && matches!(d, Ok(false)) && c.is_active();
-                        done.push((id, d));
-                        if wanted {
-                            masking.push((id, c));
-                        } else {
-                            back.push((id, c));
-                        }
-                    }
-                }
-            }
+            let wanted: Vec<bool> = rows
+                .iter()
+                .zip(&done)
+                .zip(goes_on)
+                .map(|(((_, c), (_, d)), on)| on && matches!(d, Ok(false)) && c.is_active())
+                .collect();
             // The engine waits for both unless it failed and went away.
-            let _ = accepted_tx.send((done, refused, back, start.elapsed()));
-            let _ = masks_tx.send(compute_masks(masking));
+            let _ = accepted_tx.send((done, start.elapsed()));
+            let _ = masks_tx.send(compute_masks(rows, &wanted));
         });
         self.mask_jobs.push(MaskJob(masks_rx));
-        let (done, refused, back, wall) = accepted_rx
-            .recv()
-            .map_err(|_| anyhow!("a structured-output worker failed"))?;
-        self.structured_stats.accept_seconds += wall.as_secs_f64();
-        for (id, c) in back {
-            self.seqs
-                .get_mut(&id)
-                .expect("picked sequences have state")
-                .constraint = Some(c);
+        match accepted_rx.recv() {
+            Ok((done, wall)) => {
+                self.structured_stats.accept_seconds += wall.as_secs_f64();
+                done.into_iter().collect()
+            }
+            Err(_) => picks
+                .iter()
+                .map(|p| (p.id, Err(anyhow!("a structured-output worker failed"))))
+                .collect(),
         }
-        let mut done: HashMap<SeqId, Result<bool>> = done.into_iter().collect();
-        self.repick_refused(picks, refused, &mut done)?;
-        Ok(done)
     }
 
     /// Detokenizes committed tokens into deltas; a stop string ends its sequence here.

@@ -204,24 +204,6 @@ impl Constraint {
         Ok(())
     }
 
-    /// Advances past `token` where the grammar allows it (`Ok(Some(true))` when the grammar
-    /// is then complete); `Ok(None)`, with nothing changed, where it does not: a token
-    /// picked without the mask.
-    pub fn try_accept(&mut self, token: u32) -> Result<Option<bool>> {
-        if self.reasoning.is_some() {
-            return self.accept(token).map(Some);
-        }
-        let consumed = self
-            .matcher
-            .try_consume_tokens(&[token])
-            .map_err(|e| anyhow!("structured output failed at token {token}: {e}"))?;
-        if consumed == 0 {
-            return Ok(None);
-        }
-        self.mask = None;
-        Ok(Some(self.matcher.is_stopped()))
-    }
-
     /// Advances past an accepted token; `Ok(true)` when the grammar is complete and allows
     /// nothing more.
     pub fn accept(&mut self, token: u32) -> Result<bool> {

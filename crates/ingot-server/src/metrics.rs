@@ -248,13 +248,8 @@ impl Metrics {
         );
         counter(
             "ingot:structured_output_masks",
-            "Token masks computed for structured output: for constrained rows that sample, edit their logits or report logprobs, and for greedy tokens their grammar refused",
+            "Token masks computed for structured output (one per constrained token)",
             s.structured.masks,
-        );
-        counter(
-            "ingot:structured_output_refused_tokens",
-            "Greedy tokens picked without their structured-output mask that the grammar refused, picked again under the mask",
-            s.structured.refused,
         );
         counter(
             "ingot:structured_output_mask_steps",

@@ -439,10 +439,10 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: 
     assert!(forced.iter().all(|t| t == &[42; 5]), "{forced:?}");
 }
 
-/// Structured output on `backend`'s device gives the tokens the CPU engine picks, greedy,
-/// for a JSON schema, a regex and a choice sharing steps with an unconstrained row (greedy
-/// tokens the grammar refuses are picked again under their masks on the device); a seeded
-/// draw under a JSON-object constraint (its mask in the sampling kernel) gives JSON.
+/// Structured output sampled on `backend`'s device (the masks in its sampling kernel) gives
+/// the tokens the CPU engine picks on the host, greedy, for a JSON schema, a regex and a
+/// choice sharing steps with an unconstrained row; a seeded draw under a JSON-object
+/// constraint gives JSON.
 pub fn constrained_greedy_on_the_device_matches_the_cpu<B: Backend + 'static>(backend: B) {
     use ingot_core::{SamplingParams, StructuredOutput};
     use serde_json::json;
@@ -497,11 +497,6 @@ pub fn constrained_greedy_on_the_device_matches_the_cpu<B: Backend + 'static>(ba
     assert!(
         ["yes", "no", "maybe"].contains(&choice.as_str()),
         "{choice}"
-    );
-    // Greedy rows pick without their mask; the refused picks were made again on the device.
-    assert!(
-        ge.stats().structured.refused > 0,
-        "no greedy token was refused"
     );
     let drawn = SamplingParams {
         temperature: 0.8,
