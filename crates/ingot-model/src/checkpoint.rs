@@ -30,11 +30,30 @@ pub enum Role {
     Gate,
     Up,
     Down,
+    /// A mixture of experts' router: `[num_experts, hidden]`.
+    Router,
+    /// Expert `e`'s gate, up and down projections.
+    ExpertGate(usize),
+    ExpertUp(usize),
+    ExpertDown(usize),
 }
 
 impl Role {
-    fn hf_name(self, layer: usize) -> String {
+    fn hf_name(self, layer: usize, arch: Arch) -> String {
         let l = |s: &str| format!("model.layers.{layer}.{s}");
+        match (self, arch) {
+            (Role::Router, Arch::Mixtral) => return l("block_sparse_moe.gate.weight"),
+            (Role::ExpertGate(e), Arch::Mixtral) => {
+                return l(&format!("block_sparse_moe.experts.{e}.w1.weight"))
+            }
+            (Role::ExpertUp(e), Arch::Mixtral) => {
+                return l(&format!("block_sparse_moe.experts.{e}.w3.weight"))
+            }
+            (Role::ExpertDown(e), Arch::Mixtral) => {
+                return l(&format!("block_sparse_moe.experts.{e}.w2.weight"))
+            }
+            _ => {}
+        }
         match self {
             Role::Embed => "model.embed_tokens.weight".into(),
             Role::FinalNorm => "model.norm.weight".into(),
@@ -53,6 +72,10 @@ impl Role {
             Role::Gate => l("mlp.gate_proj.weight"),
             Role::Up => l("mlp.up_proj.weight"),
             Role::Down => l("mlp.down_proj.weight"),
+            Role::Router => l("mlp.gate.weight"),
+            Role::ExpertGate(e) => l(&format!("mlp.experts.{e}.gate_proj.weight")),
+            Role::ExpertUp(e) => l(&format!("mlp.experts.{e}.up_proj.weight")),
+            Role::ExpertDown(e) => l(&format!("mlp.experts.{e}.down_proj.weight")),
         }
     }
 
@@ -76,6 +99,12 @@ impl Role {
             Role::Gate => l("ffn_gate.weight"),
             Role::Up => l("ffn_up.weight"),
             Role::Down => l("ffn_down.weight"),
+            Role::Router => l("ffn_gate_inp.weight"),
+            // llama.cpp stores the experts as 3-D tensors (`ffn_{gate,up,down}_exps`),
+            // which are not read yet: the config refuses such files first.
+            Role::ExpertGate(e) | Role::ExpertUp(e) | Role::ExpertDown(e) => {
+                l(&format!("ffn_exps.{e}"))
+            }
         }
     }
 }
@@ -278,7 +307,7 @@ impl Checkpoint {
             Checkpoint::Safetensors {
                 shards, entries, ..
             } => {
-                let name = role.hf_name(layer);
+                let name = role.hf_name(layer, cfg.arch);
                 let Some(e) = entries.get(&name) else {
                     return Ok(None);
                 };
@@ -396,6 +425,10 @@ fn unpermute_rows(t: &HostTensor<'_>, heads: usize) -> Result<Vec<u8>> {
 
 fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
     let arch_name = gguf_arch(file)?;
+    ensure!(
+        !file.tensors.contains_key("blk.0.ffn_gate_inp.weight"),
+        "GGUF files with a mixture of experts (ffn_gate_inp, ffn_*_exps) are not supported yet; the HF safetensors directory of the model is"
+    );
     let arch = Arch::from_name(arch_name)?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let num = |k: &str| -> Result<usize> {
@@ -448,6 +481,7 @@ fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
         tie_word_embeddings: !file.tensors.contains_key("output.weight"),
         qkv_bias: file.tensors.contains_key("blk.0.attn_q.bias"),
         qk_norm: file.tensors.contains_key("blk.0.attn_q_norm.weight"),
+        moe: None,
     };
     if let Some(dims) = file
         .get(&key("rope.dimension_count"))

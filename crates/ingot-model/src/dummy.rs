@@ -28,6 +28,10 @@ fn shape(role: Role, cfg: &ModelConfig) -> Option<Vec<usize>> {
         Role::QBias | Role::KBias | Role::VBias | Role::QNorm | Role::KNorm => return None,
         Role::Gate | Role::Up => vec![f, d],
         Role::Down => vec![d, f],
+        // The engine refuses mixture-of-experts configs before it reads their weights.
+        Role::Router | Role::ExpertGate(_) | Role::ExpertUp(_) | Role::ExpertDown(_) => {
+            return None
+        }
     })
 }
 
@@ -73,6 +77,34 @@ fn uniform(seed: u64, i: usize) -> f32 {
     bits as f32 / (1u64 << 23) as f32 - 1.0
 }
 
+/// A number per weight of a layer, for its seed (the dense roles keep the numbers their
+/// enum had, so dummy weights stay what they were).
+fn role_number(role: Role) -> u64 {
+    match role {
+        Role::Embed => 0,
+        Role::FinalNorm => 1,
+        Role::LmHead => 2,
+        Role::AttnNorm => 3,
+        Role::Q => 4,
+        Role::K => 5,
+        Role::V => 6,
+        Role::O => 7,
+        Role::QBias => 8,
+        Role::KBias => 9,
+        Role::VBias => 10,
+        Role::QNorm => 11,
+        Role::KNorm => 12,
+        Role::FfnNorm => 13,
+        Role::Gate => 14,
+        Role::Up => 15,
+        Role::Down => 16,
+        Role::Router => 17,
+        Role::ExpertGate(e) => 18 + 3 * e as u64,
+        Role::ExpertUp(e) => 19 + 3 * e as u64,
+        Role::ExpertDown(e) => 20 + 3 * e as u64,
+    }
+}
+
 pub fn tensor(
     role: Role,
     layer: usize,
@@ -87,7 +119,7 @@ pub fn tensor(
         Role::Embed => (0.0, 1.0),
         _ => (0.0, (3.0 / shape[1] as f32).sqrt()),
     };
-    let seed = splitmix64(((role as u64) << 32) ^ layer as u64);
+    let seed = splitmix64((role_number(role) << 32) ^ layer as u64);
     let value = |i: usize| offset + scale * uniform(seed, i);
     // 1-D weights are read as f32 (norms, biases); matrices come in the config's dtype.
     let dtype = if shape.len() == 1 { DType::F32 } else { dtype };

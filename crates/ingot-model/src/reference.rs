@@ -2,7 +2,7 @@
 //! batching, no fused weights — that the paged engine is tested against.
 
 use crate::checkpoint::{Checkpoint, Role};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, MoeConfig};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
@@ -18,9 +18,37 @@ struct Layer {
     k_norm: Option<Vec<f32>>,
     o: Vec<f32>,
     ffn_norm: Vec<f32>,
+    mlp: Mlp,
+}
+
+/// A gated MLP's gate, up and down projections.
+struct Ffn {
     gate: Vec<f32>,
     up: Vec<f32>,
     down: Vec<f32>,
+}
+
+impl Ffn {
+    /// `down(silu(gate x) * up x)` for rows `x` of `d`.
+    fn forward(&self, x: &[f32], d: usize) -> Vec<f32> {
+        let g = linear(x, &self.gate, None, d);
+        let u = linear(x, &self.up, None, d);
+        let act: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        linear(&act, &self.down, None, self.gate.len() / d)
+    }
+}
+
+enum Mlp {
+    Dense(Ffn),
+    /// A router `[experts, d]` and the experts.
+    Experts {
+        router: Vec<f32>,
+        experts: Vec<Ffn>,
+    },
 }
 
 pub struct ReferenceModel {
@@ -53,6 +81,40 @@ fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
         let inv = 1.0 / (ms + eps).sqrt();
         row.iter_mut().zip(w).for_each(|(v, g)| *v = *v * inv * g);
     }
+}
+
+/// The experts a token's router logits choose and their weights, as transformers picks
+/// them: softmax over every expert, the `k` largest (the lower index first among equals),
+/// rescaled to sum to 1 where `renormalize`.
+pub fn route(logits: &[f32], k: usize, renormalize: bool) -> Vec<(usize, f32)> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = e.iter().sum();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+    let mut chosen: Vec<(usize, f32)> = order[..k].iter().map(|&i| (i, e[i] / sum)).collect();
+    if renormalize {
+        let total: f32 = chosen.iter().map(|c| c.1).sum();
+        chosen.iter_mut().for_each(|c| c.1 /= total);
+    }
+    chosen
+}
+
+/// A mixture of experts over rows `x` of `d`: each row's chosen experts, weighted.
+fn moe_forward(x: &[f32], router: &[f32], experts: &[Ffn], moe: &MoeConfig, d: usize) -> Vec<f32> {
+    let logits = linear(x, router, None, d);
+    let mut out = vec![0f32; x.len()];
+    for ((row, scores), o) in x
+        .chunks(d)
+        .zip(logits.chunks(experts.len()))
+        .zip(out.chunks_mut(d))
+    {
+        for (e, w) in route(scores, moe.experts_per_token, moe.renormalize) {
+            let y = experts[e].forward(row, d);
+            o.iter_mut().zip(&y).for_each(|(o, y)| *o += w * y);
+        }
+    }
+    out
 }
 
 impl ReferenceModel {
@@ -89,9 +151,25 @@ impl ReferenceModel {
                     },
                     o: get(Role::O, l)?,
                     ffn_norm: get(Role::FfnNorm, l)?,
-                    gate: get(Role::Gate, l)?,
-                    up: get(Role::Up, l)?,
-                    down: get(Role::Down, l)?,
+                    mlp: match &cfg.moe {
+                        Some(moe) if moe.is_sparse(l) => Mlp::Experts {
+                            router: get(Role::Router, l)?,
+                            experts: (0..moe.num_experts)
+                                .map(|e| {
+                                    Ok(Ffn {
+                                        gate: get(Role::ExpertGate(e), l)?,
+                                        up: get(Role::ExpertUp(e), l)?,
+                                        down: get(Role::ExpertDown(e), l)?,
+                                    })
+                                })
+                                .collect::<Result<_>>()?,
+                        },
+                        _ => Mlp::Dense(Ffn {
+                            gate: get(Role::Gate, l)?,
+                            up: get(Role::Up, l)?,
+                            down: get(Role::Down, l)?,
+                        }),
+                    },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -169,14 +247,13 @@ impl ReferenceModel {
             h.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let mut x = h.clone();
             rms_norm(&mut x, &l.ffn_norm, c.rms_norm_eps);
-            let g = linear(&x, &l.gate, None, d);
-            let u = linear(&x, &l.up, None, d);
-            let act: Vec<f32> = g
-                .iter()
-                .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let down = linear(&act, &l.down, None, c.intermediate_size);
+            let down = match &l.mlp {
+                Mlp::Dense(ffn) => ffn.forward(&x, d),
+                Mlp::Experts { router, experts } => {
+                    let moe = c.moe.as_ref().expect("experts come with a MoE config");
+                    moe_forward(&x, router, experts, moe, d)
+                }
+            };
             h.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
         rms_norm(&mut h, &self.norm, c.rms_norm_eps);

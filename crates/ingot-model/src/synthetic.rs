@@ -20,6 +20,9 @@ pub struct SyntheticSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub tie_word_embeddings: bool,
+    /// For Qwen3-MoE and Mixtral: the experts, how many a token uses, and each one's MLP
+    /// width.
+    pub experts: Option<(usize, usize, usize)>,
     /// Storage type of the weights: F32, F16 or BF16.
     pub dtype: Dtype,
     /// Number of safetensors files (more than one writes `model.safetensors.index.json`).
@@ -41,9 +44,24 @@ impl SyntheticSpec {
             num_kv_heads: 2,
             head_dim: 32,
             tie_word_embeddings: matches!(arch, Arch::Qwen2 | Arch::Qwen3),
+            experts: match arch {
+                Arch::Qwen3Moe => Some((8, 2, 32)),
+                Arch::Mixtral => Some((4, 2, 48)),
+                _ => None,
+            },
             dtype: Dtype::F32,
             shards: 1,
             seed: 42,
+        }
+    }
+
+    /// Whether `layer` has a mixture of experts: every layer of Mixtral; Qwen3-MoE's but
+    /// its last (written as `mlp_only_layers`), so that both kinds of MLP run.
+    fn sparse(&self, layer: usize) -> bool {
+        match self.arch {
+            Arch::Mixtral => true,
+            Arch::Qwen3Moe => self.num_layers == 1 || layer + 1 < self.num_layers,
+            _ => false,
         }
     }
 
@@ -79,7 +97,7 @@ impl SyntheticSpec {
                 add(p("self_attn.k_proj.bias"), vec![kv], 0.1, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![kv], 0.1, 0.0);
             }
-            if self.arch == Arch::Qwen3 {
+            if matches!(self.arch, Arch::Qwen3 | Arch::Qwen3Moe) {
                 add(p("self_attn.q_norm.weight"), vec![hd], 0.2, 1.0);
                 add(p("self_attn.k_norm.weight"), vec![hd], 0.2, 1.0);
             }
@@ -90,14 +108,41 @@ impl SyntheticSpec {
                 0.0,
             );
             add(p("post_attention_layernorm.weight"), vec![d], 0.2, 1.0);
-            add(p("mlp.gate_proj.weight"), vec![f, d], w, 0.0);
-            add(p("mlp.up_proj.weight"), vec![f, d], w, 0.0);
-            add(
-                p("mlp.down_proj.weight"),
-                vec![d, f],
-                1.0 / (f as f32).sqrt(),
-                0.0,
-            );
+            match self.experts {
+                Some((experts, _, ef)) if self.sparse(l) => {
+                    let (router, expert) = match self.arch {
+                        Arch::Mixtral => ("block_sparse_moe.gate", "block_sparse_moe.experts"),
+                        _ => ("mlp.gate", "mlp.experts"),
+                    };
+                    // Routers wider than the other products keep the experts' scores apart.
+                    add(
+                        p(&format!("{router}.weight")),
+                        vec![experts, d],
+                        4.0 * w,
+                        0.0,
+                    );
+                    let names = match self.arch {
+                        Arch::Mixtral => ["w1", "w3", "w2"],
+                        _ => ["gate_proj", "up_proj", "down_proj"],
+                    };
+                    for e in 0..experts {
+                        let n = |i: usize| p(&format!("{expert}.{e}.{}.weight", names[i]));
+                        add(n(0), vec![ef, d], w, 0.0);
+                        add(n(1), vec![ef, d], w, 0.0);
+                        add(n(2), vec![d, ef], 1.0 / (ef as f32).sqrt(), 0.0);
+                    }
+                }
+                _ => {
+                    add(p("mlp.gate_proj.weight"), vec![f, d], w, 0.0);
+                    add(p("mlp.up_proj.weight"), vec![f, d], w, 0.0);
+                    add(
+                        p("mlp.down_proj.weight"),
+                        vec![d, f],
+                        1.0 / (f as f32).sqrt(),
+                        0.0,
+                    );
+                }
+            }
         }
         add("model.norm.weight".into(), vec![d], 0.2, 1.0);
         if !self.tie_word_embeddings {
@@ -163,8 +208,10 @@ impl SyntheticSpec {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Mixtral => "mixtral",
         };
-        let config = json!({
+        let mut config = json!({
             "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": d,
@@ -179,6 +226,26 @@ impl SyntheticSpec {
             "tie_word_embeddings": self.tie_word_embeddings,
             "eos_token_id": 1,
         });
+        if let Some((experts, per_token, ef)) = self.experts {
+            let moe = match self.arch {
+                Arch::Mixtral => json!({
+                    "num_local_experts": experts,
+                    "num_experts_per_tok": per_token,
+                    "intermediate_size": ef,
+                    "sliding_window": null,
+                }),
+                _ => json!({
+                    "num_experts": experts,
+                    "num_experts_per_tok": per_token,
+                    "moe_intermediate_size": ef,
+                    "norm_topk_prob": true,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": (0..self.num_layers).filter(|&l| !self.sparse(l)).collect::<Vec<_>>(),
+                }),
+            };
+            let obj = config.as_object_mut().expect("an object");
+            obj.extend(moe.as_object().expect("an object").clone());
+        }
         std::fs::write(
             dir.join("config.json"),
             serde_json::to_string_pretty(&config)?,

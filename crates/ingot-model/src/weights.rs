@@ -501,6 +501,14 @@ impl<B: Backend> Weights<B> {
         cfg: &ModelConfig,
         dtype: WeightDType,
     ) -> Result<Weights<B>> {
+        if let Some(moe) = &cfg.moe {
+            bail!(
+                "{:?}: the engine's mixture-of-experts layer ({} experts, {} per token) is not implemented yet; only the reference forward (ingot_model::reference) runs these models",
+                cfg.arch,
+                moe.num_experts,
+                moe.experts_per_token
+            );
+        }
         let progress = ProgressBar::new(ckpt.tensor_count() as u64).with_style(
             ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors")
                 .expect("valid template"),
