@@ -305,7 +305,11 @@ impl<B: Backend> ModelRunner<B> {
                 .iter()
                 .enumerate()
                 .all(|(i, &r)| r as usize == i);
-        let recorded = !self.config.enforce_eager && self.config.head == Head::Logits;
+        // A mixture of experts reads its routing back to the host, which a recorded step
+        // cannot do.
+        let recorded = !self.config.enforce_eager
+            && self.config.head == Head::Logits
+            && self.model.config.moe.is_none();
         if !recorded || !decode_only || !self.backend.records_steps() {
             return None;
         }
@@ -372,11 +376,13 @@ impl<B: Backend> ModelRunner<B> {
         let head = self.config.head;
         let (model, acts, kv, greedy) =
             (&self.model, &mut self.acts, &mut self.kv, &mut self.greedy);
-        let mut step = || {
-            model.forward(b, st, acts, kv, head);
-            if head == Head::Logits {
+        let mut failed = None;
+        let mut step = || match model.forward(b, st, acts, kv, head) {
+            Ok(()) if head == Head::Logits => {
                 b.argmax(&acts.logits, st.num_logits, vocab, greedy);
             }
+            Ok(()) => {}
+            Err(e) => failed = Some(e),
         };
         match bucket {
             // A bucket's first step runs eagerly, which also sets up what capture cannot
@@ -390,7 +396,10 @@ impl<B: Backend> ModelRunner<B> {
             }
             None => b.run_step(step),
         }
-        Ok(())
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 

@@ -78,6 +78,16 @@ fn qwen3_with_qk_norm_paged_equals_reference() {
 }
 
 #[test]
+fn qwen3_moe_experts_and_a_dense_layer_paged_equal_reference() {
+    check_arch(Arch::Qwen3Moe);
+}
+
+#[test]
+fn mixtral_experts_paged_equal_reference() {
+    check_arch(Arch::Mixtral);
+}
+
+#[test]
 fn sharded_bf16_and_f16_checkpoints_run_in_their_own_dtype() {
     for (arch, dtype) in [(Arch::Llama, Dtype::BF16), (Arch::Qwen2, Dtype::F16)] {
         let spec = SyntheticSpec {
@@ -126,7 +136,7 @@ fn dtype_flag_converts_f32_checkpoints_at_load() {
 #[test]
 fn folded_norms_change_logits_by_rounding_alone() {
     use ingot_backend::cpu::CpuBackend;
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe] {
         for (stored, tol) in [(Dtype::F32, 1e-5), (Dtype::F16, 1e-3), (Dtype::BF16, 1e-2)] {
             let spec = SyntheticSpec {
                 dtype: stored,

@@ -128,8 +128,10 @@ fn matrices_split_over_buffers_match_the_cpu() {
             embed_parts >= 3,
             "{arch:?}: embedding in {embed_parts} parts"
         );
-        let layer = &gpu.model.weights.layers[0];
-        assert!(layer.gate_up.parts.len() >= 3 && layer.down.parts.len() >= 2);
+        let ingot_model::weights::Mlp::Dense(mlp) = &gpu.model.weights.layers[0].mlp else {
+            panic!("{arch:?} has a dense MLP");
+        };
+        assert!(mlp.gate_up.parts.len() >= 3 && mlp.down.parts.len() >= 2);
         let (_, worst) = common::mixed_logit_error(&mut cpu, &mut gpu, &seqs);
         println!(
             "{arch:?}: embedding in {embed_parts} parts, max relative logit error {worst:.2e}"

@@ -28,10 +28,11 @@ fn shape(role: Role, cfg: &ModelConfig) -> Option<Vec<usize>> {
         Role::QBias | Role::KBias | Role::VBias | Role::QNorm | Role::KNorm => return None,
         Role::Gate | Role::Up => vec![f, d],
         Role::Down => vec![d, f],
-        // The engine refuses mixture-of-experts configs before it reads their weights.
-        Role::Router | Role::ExpertGate(_) | Role::ExpertUp(_) | Role::ExpertDown(_) => {
-            return None
+        Role::Router => vec![cfg.moe.as_ref()?.num_experts, d],
+        Role::ExpertGate(_) | Role::ExpertUp(_) => {
+            vec![cfg.moe.as_ref()?.expert_intermediate_size, d]
         }
+        Role::ExpertDown(_) => vec![d, cfg.moe.as_ref()?.expert_intermediate_size],
     })
 }
 
@@ -61,7 +62,13 @@ pub fn tensor_count(cfg: &ModelConfig) -> usize {
         .iter()
         .filter(|&&r| shape(r, cfg).is_some())
         .count();
-    global + per_layer * cfg.num_layers
+    // A sparse layer has a router and three matrices per expert in place of the dense
+    // MLP's three.
+    let moe = cfg.moe.as_ref().map_or(0, |m| {
+        let sparse = (0..cfg.num_layers).filter(|&l| m.is_sparse(l)).count();
+        sparse * (1 + 3 * m.num_experts) - sparse * 3
+    });
+    global + per_layer * cfg.num_layers + moe
 }
 
 fn splitmix64(mut x: u64) -> u64 {
@@ -173,5 +180,27 @@ mod tests {
         assert!(tensor(Role::LmHead, 0, &cfg, DType::BF16).is_none());
         assert!(tensor(Role::QNorm, 0, &cfg, DType::BF16).is_none());
         assert_eq!(tensor_count(&cfg), 2 + 2 * 12);
+    }
+
+    #[test]
+    fn moe_configs_get_routers_and_experts() {
+        let cfg = ModelConfig::from_hf_json(
+            r#"{"model_type":"qwen3_moe","hidden_size":64,"intermediate_size":96,"num_hidden_layers":2,
+                "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":100,
+                "num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":24,"mlp_only_layers":[1]}"#,
+        )
+        .unwrap();
+        let shape = |r: Role| tensor(r, 0, &cfg, DType::BF16).unwrap().shape;
+        assert_eq!(shape(Role::Router), [4, 64]);
+        assert_eq!(shape(Role::ExpertUp(3)), [24, 64]);
+        assert_eq!(shape(Role::ExpertDown(0)), [64, 24]);
+        let (a, b) = (
+            tensor(Role::ExpertGate(0), 0, &cfg, DType::BF16),
+            tensor(Role::ExpertGate(1), 0, &cfg, DType::BF16),
+        );
+        assert_ne!(a.unwrap().data, b.unwrap().data);
+        // 3 global; per layer 8 (two norms, q/k/v/o, q/k norms), then the sparse layer's
+        // router and 12 expert matrices and the dense layer's 3.
+        assert_eq!(tensor_count(&cfg), 3 + 2 * 8 + 13 + 3);
     }
 }

@@ -1,8 +1,9 @@
 //! The paged forward pass of one engine step, as a sequence of backend ops.
 
 use crate::config::ModelConfig;
+use crate::moe::MoeBuffers;
 use crate::pooling::PoolingType;
-use crate::weights::Weights;
+use crate::weights::{MlpBuffers, Weights};
 use anyhow::Result;
 use ingot_backend::{
     AttentionMetadata, Backend, CacheLayout, DType, MlpScratch, QkvLayout, RopeKvWrite,
@@ -49,6 +50,9 @@ pub struct Activations<B: Backend> {
     last: B::Buffer,
     last_normed: B::Buffer,
     attn_workspace: B::Buffer,
+    /// A mixture of experts' buffers, where the model has one.
+    moe: Option<MoeBuffers<B>>,
+    dtype: DType,
     pub logits: B::Buffer,
     /// f32 `[max_logits, hidden]`: each sequence's sum of final-normed rows (mean pooling).
     sums: B::Buffer,
@@ -72,7 +76,8 @@ impl<B: Backend> Activations<B> {
 
     /// Element counts of the activation-dtype buffers, in field order.
     fn sizes(cfg: &ModelConfig, max_tokens: usize, max_logits: usize) -> [usize; 9] {
-        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let d = cfg.hidden_size;
+        let f = cfg.intermediate_size;
         let qkv_len = cfg.q_size() + 2 * cfg.kv_size();
         [
             max_tokens * d,
@@ -104,7 +109,13 @@ impl<B: Backend> Activations<B> {
         max_logits: usize,
         max_positions: usize,
     ) -> usize {
-        let acts: usize = Self::sizes(cfg, max_tokens, max_logits).iter().sum();
+        let mut acts: usize = Self::sizes(cfg, max_tokens, max_logits).iter().sum();
+        if let Some(moe) = &cfg.moe {
+            let (n, w) = (moe.num_experts, moe.expert_intermediate_size);
+            acts += MoeBuffers::<B>::sizes(max_tokens, cfg.hidden_size, n, w)
+                .iter()
+                .sum::<usize>();
+        }
         let f32s = max_logits * cfg.vocab_size
             + max_logits * cfg.hidden_size
             + max_positions * cfg.head_dim
@@ -138,6 +149,17 @@ impl<B: Backend> Activations<B> {
             &mut cos_sin,
             bytemuck::cast_slice(&crate::rope::cos_sin_table(cfg, max_positions)),
         )?;
+        let moe = match &cfg.moe {
+            Some(moe) => Some(MoeBuffers::new(
+                b,
+                dtype,
+                max_tokens,
+                cfg.hidden_size,
+                moe.num_experts,
+                moe.expert_intermediate_size,
+            )?),
+            None => None,
+        };
         let mut next = || bufs.next().expect("one buffer per size");
         Ok(Activations {
             hidden: next(),
@@ -150,6 +172,8 @@ impl<B: Backend> Activations<B> {
             last: next(),
             last_normed: next(),
             attn_workspace,
+            moe,
+            dtype,
             logits,
             sums,
             cos_sin,
@@ -197,7 +221,8 @@ pub struct Model<B: Backend> {
 
 impl<B: Backend> Model<B> {
     /// Runs one step and leaves `head`'s rows in [`Activations::output`]: the logits of the
-    /// `num_logits` selected rows as `[num_logits, vocab_size]`, or pooled rows.
+    /// `num_logits` selected rows as `[num_logits, vocab_size]`, or pooled rows. Fails only
+    /// where a mixture of experts reads its routing back and that fails.
     pub fn forward(
         &self,
         b: &B,
@@ -205,7 +230,7 @@ impl<B: Backend> Model<B> {
         acts: &mut Activations<B>,
         kv: &mut KvCache<B>,
         head: Head,
-    ) {
+    ) -> Result<()> {
         let cfg = &self.config;
         let w = &self.weights;
         let t = step.num_tokens;
@@ -285,22 +310,30 @@ impl<B: Backend> Model<B> {
                 layer
                     .o
                     .forward_add(b, &a.attn, t, &mut a.proj, &mut a.hidden);
-                let scratch = MlpScratch {
-                    gate_up: &mut a.gate_up,
-                    act: &mut a.act,
+                let bufs = MlpBuffers {
+                    scratch: MlpScratch {
+                        gate_up: &mut a.gate_up,
+                        act: &mut a.act,
+                    },
+                    moe: a.moe.as_mut(),
+                    dtype: a.dtype,
                 };
                 let (normed, proj) = (&mut a.normed, &mut a.proj);
-                layer.mlp_add(b, &mut a.hidden, unit, eps, t, scratch, normed, proj);
+                layer.mlp_add(b, &mut a.hidden, unit, eps, t, bufs, normed, proj)?;
                 continue;
             }
             layer.o.forward(b, &a.attn, t, &mut a.proj);
             let ffn_norm = &layer.ffn_norm;
             b.add_rms_norm(&mut a.hidden, &a.proj, ffn_norm, eps, t, d, &mut a.normed);
-            let scratch = MlpScratch {
-                gate_up: &mut a.gate_up,
-                act: &mut a.act,
+            let bufs = MlpBuffers {
+                scratch: MlpScratch {
+                    gate_up: &mut a.gate_up,
+                    act: &mut a.act,
+                },
+                moe: a.moe.as_mut(),
+                dtype: a.dtype,
             };
-            layer.mlp(b, &a.normed, t, scratch, &mut a.proj);
+            layer.mlp(b, &a.normed, t, bufs, &mut a.proj)?;
             match w.layers.get(i + 1) {
                 Some(next) => {
                     let norm = &next.attn_norm;
@@ -313,7 +346,7 @@ impl<B: Backend> Model<B> {
             b.rms_norm(&a.hidden, &w.final_norm, eps, t, d, &mut a.normed);
             let (qsl, s) = (&step.query_start_loc, step.num_seqs);
             b.segment_sum(&a.normed, qsl, s, d, &mut a.sums);
-            return;
+            return Ok(());
         }
         // Only the sampled (or pooled) rows need the final norm and the vocabulary
         // projection.
@@ -328,11 +361,12 @@ impl<B: Backend> Model<B> {
             &mut a.last_normed,
         );
         if head != Head::Logits {
-            return;
+            return Ok(());
         }
         w.lm_head
             .as_ref()
             .unwrap_or(&w.embed)
             .forward(b, &a.last_normed, n, &mut a.logits);
+        Ok(())
     }
 }

@@ -7,6 +7,7 @@ pub mod config;
 mod dummy;
 pub mod forward;
 pub mod gguf;
+pub mod moe;
 pub mod pooling;
 pub mod reference;
 pub mod rope;

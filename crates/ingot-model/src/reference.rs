@@ -83,23 +83,6 @@ fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// The experts a token's router logits choose and their weights, as transformers picks
-/// them: softmax over every expert, the `k` largest (the lower index first among equals),
-/// rescaled to sum to 1 where `renormalize`.
-pub fn route(logits: &[f32], k: usize, renormalize: bool) -> Vec<(usize, f32)> {
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-    let sum: f32 = e.iter().sum();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
-    let mut chosen: Vec<(usize, f32)> = order[..k].iter().map(|&i| (i, e[i] / sum)).collect();
-    if renormalize {
-        let total: f32 = chosen.iter().map(|c| c.1).sum();
-        chosen.iter_mut().for_each(|c| c.1 /= total);
-    }
-    chosen
-}
-
 /// A mixture of experts over rows `x` of `d`: each row's chosen experts, weighted.
 fn moe_forward(x: &[f32], router: &[f32], experts: &[Ffn], moe: &MoeConfig, d: usize) -> Vec<f32> {
     let logits = linear(x, router, None, d);
@@ -109,7 +92,7 @@ fn moe_forward(x: &[f32], router: &[f32], experts: &[Ffn], moe: &MoeConfig, d: u
         .zip(logits.chunks(experts.len()))
         .zip(out.chunks_mut(d))
     {
-        for (e, w) in route(scores, moe.experts_per_token, moe.renormalize) {
+        for (e, w) in crate::moe::route(scores, moe.experts_per_token, moe.renormalize) {
             let y = experts[e].forward(row, d);
             o.iter_mut().zip(&y).for_each(|(o, y)| *o += w * y);
         }

@@ -3,6 +3,7 @@
 
 use crate::checkpoint::{Checkpoint, HostTensor, Role};
 use crate::config::ModelConfig;
+use crate::moe::{Expert, MoeBuffers, MoeWeights};
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -197,14 +198,87 @@ pub struct LayerWeights<B: Backend> {
     pub k_norm: Option<B::Buffer>,
     pub o: Linear<B>,
     pub ffn_norm: B::Buffer,
+    pub mlp: Mlp<B>,
+}
+
+/// A layer's MLP: one gated MLP, or a mixture of experts.
+pub enum Mlp<B: Backend> {
+    Dense(DenseMlp<B>),
+    Experts(MoeWeights<B>),
+}
+
+pub struct DenseMlp<B: Backend> {
     pub gate_up: Linear<B>,
     pub down: Linear<B>,
 }
 
+/// What a layer's MLP may write besides its output: the dense MLP's intermediates, and the
+/// buffers of a mixture of experts (in the activation dtype `dtype`) where the model has one.
+pub struct MlpBuffers<'a, B: Backend> {
+    pub scratch: MlpScratch<'a, B>,
+    pub moe: Option<&'a mut MoeBuffers<B>>,
+    pub dtype: DType,
+}
+
 impl<B: Backend> LayerWeights<B> {
+    /// The layer's MLP of rows `x` into `out`.
+    pub fn mlp(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        rows: usize,
+        bufs: MlpBuffers<'_, B>,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        match &self.mlp {
+            Mlp::Dense(mlp) => {
+                mlp.forward(b, x, rows, bufs.scratch, out);
+                Ok(())
+            }
+            Mlp::Experts(moe) => {
+                let buf = bufs.moe.expect("a model with experts has their buffers");
+                moe.forward(b, x, rows, bufs.dtype, buf, out)
+            }
+        }
+    }
+
+    /// `residual += mlp(rms_norm(residual))` with the norm folded into the matrices after
+    /// it (`unit`: its weights, ones): one [`Backend::rms_norm_gated_mlp_add`] where the
+    /// dense MLP is one gated MLP; otherwise the norm into `normed`, the MLP into
+    /// `product`, the add.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mlp_add(
+        &self,
+        b: &B,
+        residual: &mut B::Buffer,
+        unit: &B::Buffer,
+        eps: f32,
+        rows: usize,
+        bufs: MlpBuffers<'_, B>,
+        normed: &mut B::Buffer,
+        product: &mut B::Buffer,
+    ) -> Result<()> {
+        match &self.mlp {
+            Mlp::Dense(mlp) => {
+                mlp.forward_add(b, residual, unit, eps, rows, bufs.scratch, normed, product);
+                Ok(())
+            }
+            Mlp::Experts(moe) => {
+                let d = moe.router.in_features;
+                b.rms_norm(residual, unit, eps, rows, d, normed);
+                let buf = bufs.moe.expect("a model with experts has their buffers");
+                moe.forward(b, normed, rows, bufs.dtype, buf, product)?;
+                b.add_assign(residual, product, rows * d);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl<B: Backend> DenseMlp<B> {
     /// The gated MLP, `out = down(silu(gate(x)) * up(x))`: one [`Backend::gated_mlp`]
     /// where gate/up and down are each one matrix without bias, so the backend can fuse.
-    pub fn mlp(
+    pub fn forward(
         &self,
         b: &B,
         x: &B::Buffer,
@@ -230,11 +304,9 @@ impl<B: Backend> LayerWeights<B> {
         }
     }
 
-    /// `residual += mlp(rms_norm(residual))` with the norm folded into gate/up (`unit`: its
-    /// weights, ones): one [`Backend::rms_norm_gated_mlp_add`] where [`LayerWeights::mlp`]
-    /// is one gated MLP; otherwise the norm into `normed`, the MLP into `product`, the add.
+    /// `residual += forward(rms_norm(residual))` with the norm folded into gate/up.
     #[allow(clippy::too_many_arguments)]
-    pub fn mlp_add(
+    fn forward_add(
         &self,
         b: &B,
         residual: &mut B::Buffer,
@@ -255,7 +327,7 @@ impl<B: Backend> LayerWeights<B> {
             }
             _ => {
                 b.rms_norm(residual, unit, eps, rows, k, normed);
-                self.mlp(b, normed, rows, scratch, product);
+                self.forward(b, normed, rows, scratch, product);
                 b.add_assign(residual, product, rows * self.down.out_features());
             }
         }
@@ -501,14 +573,6 @@ impl<B: Backend> Weights<B> {
         cfg: &ModelConfig,
         dtype: WeightDType,
     ) -> Result<Weights<B>> {
-        if let Some(moe) = &cfg.moe {
-            bail!(
-                "{:?}: the engine's mixture-of-experts layer ({} experts, {} per token) is not implemented yet; only the reference forward (ingot_model::reference) runs these models",
-                cfg.arch,
-                moe.num_experts,
-                moe.experts_per_token
-            );
-        }
         let progress = ProgressBar::new(ckpt.tensor_count() as u64).with_style(
             ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors")
                 .expect("valid template"),
@@ -584,15 +648,50 @@ impl<B: Backend> Weights<B> {
             let o = l.linear(vec![(o, None, d)], cfg.q_size(), None, &what("o_proj"))?;
             let ffn_norm = l.require(Role::FfnNorm, i)?;
             let (ffn_norm, ffn_g) = l.vector_and_values(&ffn_norm, d, &what("ffn norm"))?;
-            let (g, u) = (l.require(Role::Gate, i)?, l.require(Role::Up, i)?);
-            let gate_up = l.linear(
-                vec![(g, None, f), (u, None, f)],
-                d,
-                fold.then_some(&ffn_g[..]),
-                &what("gate/up"),
-            )?;
-            let down = l.require(Role::Down, i)?;
-            let down = l.linear(vec![(down, None, d)], f, None, &what("down_proj"))?;
+            let ffn_fold = fold.then_some(&ffn_g[..]);
+            let mlp = match &cfg.moe {
+                Some(moe) if moe.is_sparse(i) => {
+                    let (n, ef) = (moe.num_experts, moe.expert_intermediate_size);
+                    let router = l.require(Role::Router, i)?;
+                    let router = l.linear(vec![(router, None, n)], d, ffn_fold, &what("router"))?;
+                    let experts = (0..n)
+                        .map(|e| {
+                            let (g, u) = (
+                                l.require(Role::ExpertGate(e), i)?,
+                                l.require(Role::ExpertUp(e), i)?,
+                            );
+                            let what = |s: &str| what(&format!("expert {e} {s}"));
+                            let gate_up = l.linear(
+                                vec![(g, None, ef), (u, None, ef)],
+                                d,
+                                ffn_fold,
+                                &what("gate/up"),
+                            )?;
+                            let down = l.require(Role::ExpertDown(e), i)?;
+                            let down = l.linear(vec![(down, None, d)], ef, None, &what("down"))?;
+                            Ok(Expert { gate_up, down })
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    Mlp::Experts(MoeWeights {
+                        router,
+                        experts,
+                        experts_per_token: moe.experts_per_token,
+                        renormalize: moe.renormalize,
+                    })
+                }
+                _ => {
+                    let (g, u) = (l.require(Role::Gate, i)?, l.require(Role::Up, i)?);
+                    let gate_up = l.linear(
+                        vec![(g, None, f), (u, None, f)],
+                        d,
+                        ffn_fold,
+                        &what("gate/up"),
+                    )?;
+                    let down = l.require(Role::Down, i)?;
+                    let down = l.linear(vec![(down, None, d)], f, None, &what("down_proj"))?;
+                    Mlp::Dense(DenseMlp { gate_up, down })
+                }
+            };
             layers.push(LayerWeights {
                 attn_norm,
                 qkv,
@@ -600,8 +699,7 @@ impl<B: Backend> Weights<B> {
                 k_norm,
                 o,
                 ffn_norm,
-                gate_up,
-                down,
+                mlp,
             });
         }
         let final_norm = l.require(Role::FinalNorm, 0)?;

@@ -716,3 +716,25 @@ async fn pooling_files_turn_embeddings_on() {
     .await;
     assert_eq!(code, 200, "{v}");
 }
+
+fn qwen3_moe(dir: &std::path::Path) {
+    SyntheticSpec::tiny(Arch::Qwen3Moe).write(dir).unwrap();
+}
+
+/// A mixture-of-experts model (a tiny random Qwen3-MoE) serves completions, chat and
+/// streams.
+#[tokio::test]
+async fn a_mixture_of_experts_model_serves() {
+    let s = Server::start_with("moe", &[], qwen3_moe).await;
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 6, "n": 2, "temperature": 0.7, "seed": 3, "ignore_eos": true});
+    let (code, v) = post(&s.base, "/v1/completions", body).await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+    let chat = json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4});
+    let (code, v) = post(&s.base, "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(code, 200, "{v}");
+    let mut stream = chat;
+    stream["stream"] = json!(true);
+    let events = sse(&s.base, "/v1/chat/completions", stream).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+}

@@ -295,7 +295,14 @@ pub fn synthetic_models_match_the_cpu<B: Backend>(
 ) {
     use ingot_model::synthetic::SyntheticSpec;
     use ingot_model::Arch;
-    for arch in [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Qwen3Moe,
+        Arch::Mixtral,
+    ] {
         for &(stored, dtype, tol) in cases {
             let spec = SyntheticSpec {
                 dtype: stored,
