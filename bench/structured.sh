@@ -40,8 +40,10 @@ for plain, constrained in zip(runs[0::2], runs[1::2]):
               f"  TPOT median {r['tpot_ms']['median']:.2f} ms  TTFT median {r['ttft_ms']['median']:.1f} ms")
     so = constrained.get("structured_output") or {}
     if so:
-        print(f"  masks: {so['masks']:.0f} in {so['steps']:.0f} steps, {so['mask_us_per_token']:.1f} µs per mask, "
-              f"{so['mask_us_per_step']:.1f} µs per step; grammars advanced in {so['accept_us_per_step']:.1f} µs per step")
+        # A figure is null where its denominator is zero (no mask computed, no step).
+        f = lambda key: "n/a" if so.get(key) is None else f"{so[key]:.1f}"
+        print(f"  masks: {so['masks']:.0f} in {so['steps']:.0f} steps, {f('mask_us_per_token')} µs per mask, "
+              f"{f('mask_us_per_step')} µs per step; grammars advanced in {f('accept_us_per_step')} µs per step")
     ratios.append(constrained["output_throughput"] / plain["output_throughput"])
     print(f"  ratio {ratios[-1]:.3f}")
 print(f"median ratio: {statistics.median(ratios):.3f} (of {', '.join(f'{r:.3f}' for r in ratios)})")
