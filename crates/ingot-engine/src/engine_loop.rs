@@ -43,6 +43,8 @@ pub enum Failure {
 pub type Event = Result<SeqDelta, Failure>;
 pub type Events = tokio::sync::mpsc::UnboundedReceiver<Event>;
 type EventSender = tokio::sync::mpsc::UnboundedSender<Event>;
+/// Where the engine answers whether it took a request.
+type AdmittedSender = tokio::sync::oneshot::Sender<Result<(), SubmitError>>;
 
 enum Command {
     Add {
@@ -51,14 +53,14 @@ enum Command {
         params: Box<SamplingParams>,
         grammar: Option<Grammar>,
         events: EventSender,
-        admitted: tokio::sync::oneshot::Sender<Result<(), SubmitError>>,
+        admitted: AdmittedSender,
     },
     Embed {
         id: RequestId,
         inputs: Vec<Vec<u32>>,
         dimensions: Option<usize>,
         events: EventSender,
-        admitted: tokio::sync::oneshot::Sender<Result<(), SubmitError>>,
+        admitted: AdmittedSender,
     },
     Abort(RequestId),
     /// Shutting down: refuse new requests and abort those not started.
@@ -172,21 +174,12 @@ impl EngineHandle {
     /// whether it was admitted.
     fn submit(
         &self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        grammar: Option<Grammar>,
+        command: impl FnOnce(RequestId, EventSender, AdmittedSender) -> Command,
     ) -> Result<Admission, SubmitError> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tokio::sync::mpsc::unbounded_channel();
         let (admitted, ack) = tokio::sync::oneshot::channel();
-        self.send(Command::Add {
-            id,
-            prompt,
-            params: Box::new(params),
-            grammar,
-            events,
-            admitted,
-        })?;
+        self.send(command(id, events, admitted))?;
         Ok(Admission {
             id,
             events: rx,
@@ -206,7 +199,7 @@ impl EngineHandle {
             .grammars
             .compile_for(params.structured.as_ref())
             .map_err(SubmitError::Rejected)?;
-        let a = self.submit(prompt, params, grammar)?;
+        let a = self.submit(Self::add(prompt, params, grammar))?;
         let reply = a.ack.blocking_recv();
         admitted_reply(a.id, a.events, reply)
     }
@@ -231,7 +224,7 @@ impl EngineHandle {
                 Some(compiled.map_err(SubmitError::Rejected)?)
             }
         };
-        let a = self.submit(prompt, params, grammar)?;
+        let a = self.submit(Self::add(prompt, params, grammar))?;
         let reply = a.ack.await;
         admitted_reply(a.id, a.events, reply)
     }
@@ -243,17 +236,30 @@ impl EngineHandle {
         inputs: Vec<Vec<u32>>,
         dimensions: Option<usize>,
     ) -> Result<(RequestId, Events), SubmitError> {
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
-        let (admitted, ack) = tokio::sync::oneshot::channel();
-        self.send(Command::Embed {
+        let a = self.submit(|id, events, admitted| Command::Embed {
             id,
             inputs,
             dimensions,
             events,
             admitted,
         })?;
-        admitted_reply(id, rx, ack.await)
+        admitted_reply(a.id, a.events, a.ack.await)
+    }
+
+    /// The command that queues a generation request.
+    fn add(
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        grammar: Option<Grammar>,
+    ) -> impl FnOnce(RequestId, EventSender, AdmittedSender) -> Command {
+        move |id, events, admitted| Command::Add {
+            id,
+            prompt,
+            params: Box::new(params),
+            grammar,
+            events,
+            admitted,
+        }
     }
 
     pub fn abort(&self, id: RequestId) {

@@ -2,7 +2,7 @@
 
 use crate::admission::*;
 use crate::error::ApiError;
-use crate::protocol::{CompletionRequest, Prompt};
+use crate::protocol::CompletionRequest;
 use crate::response::*;
 use crate::streaming::*;
 use crate::tools::ToolMode;
@@ -28,18 +28,7 @@ pub(crate) async fn completions(
         return Err(ApiError::bad_request("`suffix` is not supported").with_param("suffix"));
     }
     let tok = engine.tokenizer();
-    let prompts: Vec<Vec<u32>> = match &req.prompt {
-        Prompt::Text(t) => vec![tok
-            .encode(t, true)
-            .map_err(|e| ApiError::bad_request(e.to_string()))?],
-        Prompt::Texts(ts) => ts
-            .iter()
-            .map(|t| tok.encode(t, true))
-            .collect::<anyhow::Result<_>>()
-            .map_err(|e| ApiError::bad_request(e.to_string()))?,
-        Prompt::Tokens(ids) => vec![ids.clone()],
-        Prompt::TokenLists(lists) => lists.clone(),
-    };
+    let prompts = req.prompt.into_token_ids(tok)?;
     if prompts.is_empty() {
         return Err(ApiError::bad_request("`prompt` is empty").with_param("prompt"));
     }

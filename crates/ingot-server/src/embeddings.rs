@@ -5,7 +5,7 @@ use crate::admission::*;
 use crate::error::ApiError;
 use crate::protocol::{
     self, EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, EmbeddingVector,
-    EncodingFormat, Prompt,
+    EncodingFormat,
 };
 use crate::timing::Timing;
 use crate::AppState;
@@ -28,18 +28,7 @@ pub(crate) async fn embeddings(
             "this server generates text: /v1/embeddings needs an embedding model, served with --task embed",
         ));
     }
-    let tok = engine.tokenizer();
-    let encode = |t: &String| tok.encode(t, true);
-    let inputs: Vec<Vec<u32>> = match req.input {
-        Prompt::Text(t) => vec![encode(&t).map_err(|e| ApiError::bad_request(e.to_string()))?],
-        Prompt::Texts(ts) => ts
-            .iter()
-            .map(encode)
-            .collect::<anyhow::Result<_>>()
-            .map_err(|e| ApiError::bad_request(e.to_string()))?,
-        Prompt::Tokens(ids) => vec![ids],
-        Prompt::TokenLists(lists) => lists,
-    };
+    let inputs = req.input.into_token_ids(engine.tokenizer())?;
     let bad_input = |msg: String| ApiError::bad_request(msg).with_param("input");
     if inputs.is_empty() {
         return Err(bad_input("`input` is empty".into()));

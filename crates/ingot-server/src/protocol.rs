@@ -18,6 +18,23 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+impl Prompt {
+    /// The token ids of each prompt: texts encoded with the tokenizer's special tokens,
+    /// ids as given.
+    pub fn into_token_ids(self, tok: &ingot_model::Tokenizer) -> Result<Vec<Vec<u32>>, ApiError> {
+        let encode = |t: &str| {
+            tok.encode(t, true)
+                .map_err(|e| ApiError::bad_request(e.to_string()))
+        };
+        match self {
+            Prompt::Text(t) => Ok(vec![encode(&t)?]),
+            Prompt::Texts(ts) => ts.iter().map(|t| encode(t)).collect(),
+            Prompt::Tokens(ids) => Ok(vec![ids]),
+            Prompt::TokenLists(lists) => Ok(lists),
+        }
+    }
+}
+
 #[derive(Deserialize, Debug)]
 #[serde(untagged)]
 pub enum Stop {

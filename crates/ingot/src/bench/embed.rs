@@ -9,7 +9,7 @@ use anyhow::{ensure, Result};
 use ingot_backend::Backend;
 use ingot_engine::{Engine, EngineConfig};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Instant;
@@ -64,13 +64,7 @@ fn embed<B: Backend>(args: EmbedArgs, backend: B) -> Result<()> {
     let (mut inputs_s, mut tokens_s) = (vec![], vec![]);
     let progress = super::progress(args.warmup + args.iters, "batches", args.format);
     for i in 0..args.warmup + args.iters {
-        let inputs: Vec<Vec<u32>> = (0..args.num_inputs)
-            .map(|_| {
-                (0..args.input_len)
-                    .map(|_| rng.random_range(0..vocab))
-                    .collect()
-            })
-            .collect();
+        let inputs = super::random_prompts(&mut rng, args.num_inputs, args.input_len, vocab);
         let start = Instant::now();
         let vectors = engine.embed(inputs, None)?;
         let secs = start.elapsed().as_secs_f64();

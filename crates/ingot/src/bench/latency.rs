@@ -12,7 +12,7 @@ use ingot_backend::Backend;
 use ingot_core::SamplingParams;
 use ingot_engine::{default_max_num_seqs, Engine};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -165,13 +165,7 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         if args.profile_ops && i == args.warmup {
             engine.backend().start_op_profile()?;
         }
-        let prompts = (0..args.batch_size)
-            .map(|_| {
-                (0..args.input_len)
-                    .map(|_| rng.random_range(0..vocab))
-                    .collect()
-            })
-            .collect();
+        let prompts = super::random_prompts(&mut rng, args.batch_size, args.input_len, vocab);
         let start = Instant::now();
         let it = timed_batch(&mut engine, prompts, &params, (i * args.batch_size) as u64)?;
         if i >= args.warmup {

@@ -76,6 +76,13 @@ impl RandomDataset {
     }
 }
 
+/// `n` prompts of `len` random token ids below `vocab`.
+pub(crate) fn random_prompts(rng: &mut StdRng, n: usize, len: usize, vocab: u32) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|_| (0..len).map(|_| rng.random_range(0..vocab)).collect())
+        .collect()
+}
+
 /// A length around `len`, at least 1: uniform in [len × (1 − ratio), len × (1 + ratio)].
 fn length(rng: &mut StdRng, len: usize, ratio: f64) -> usize {
     let lo = ((len as f64 * (1.0 - ratio)).round() as usize).max(1);
