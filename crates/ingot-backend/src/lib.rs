@@ -244,6 +244,25 @@ impl<B: Backend + ?Sized> RopeKvWrite<'_, B> {
     }
 }
 
+/// The shape of a step's mixture of experts: `rows` rows of `dim`, each routed to
+/// `experts_per_token` of `experts` experts whose gated MLPs are `ffn` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    pub rows: usize,
+    pub experts: usize,
+    pub experts_per_token: usize,
+    pub dim: usize,
+    pub ffn: usize,
+}
+
+impl MoeShape {
+    /// The step's (row, expert) pairs: slot `r * experts_per_token + j` is row `r`'s `j`-th
+    /// expert.
+    pub const fn slots(&self) -> usize {
+        self.rows * self.experts_per_token
+    }
+}
+
 /// Device memory as the backend sees it, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -656,6 +675,44 @@ pub trait Backend: Send + Sync {
         query_start_loc: &Self::Buffer,
         num_seqs: usize,
         dim: usize,
+        out: &mut Self::Buffer,
+    );
+    /// Routes each row of f32 router `logits` (`[shape.rows, shape.experts]`) to
+    /// `shape.experts_per_token` experts as transformers' Qwen3-MoE and Mixtral do: softmax
+    /// over every expert, the largest in descending order (the lower index first among
+    /// equals), rescaled to sum to 1 where `renormalize`. The experts go to i32 `ids` and
+    /// their weights to f32 `weights`, one per slot ([`MoeShape::slots`]).
+    fn moe_route(
+        &self,
+        logits: &Self::Buffer,
+        shape: MoeShape,
+        renormalize: bool,
+        ids: &mut Self::Buffer,
+        weights: &mut Self::Buffer,
+    );
+
+    /// f32 elements of scratch [`Backend::moe_experts`] needs for steps up to `shape`.
+    fn moe_workspace_len(&self, shape: MoeShape) -> usize;
+
+    /// A mixture of experts' output, `out[r] = Σ_j weights[s] · expert_e(x[r])` over row
+    /// `r`'s slots `s = r * experts_per_token + j` with `e = ids[s]`, summed in f32 in slot
+    /// order, where `expert_e(x) = down_e · (silu(gate_e · x) * (up_e · x))`. `gate_up`
+    /// stacks every expert's `[gate; up]` (`[experts, 2 * ffn, dim]`) and `down` every
+    /// expert's down projection (`[experts, dim, ffn]`). The backend groups the slots by
+    /// expert as it likes, so each expert's weights are read once for many of its rows. In
+    /// a step of up to 64 rows (a decode batch) a row's result does not depend on the other
+    /// rows; larger steps may take products whose rounding differs (as the dense path's
+    /// prefill GEMMs do).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts(
+        &self,
+        x: &Self::Buffer,
+        ids: &Self::Buffer,
+        weights: &Self::Buffer,
+        shape: MoeShape,
+        gate_up: &Self::Buffer,
+        down: &Self::Buffer,
+        workspace: &mut Self::Buffer,
         out: &mut Self::Buffer,
     );
 }

@@ -633,3 +633,93 @@ fn argmax_takes_the_first_maximum() {
     b.argmax(&f32_buf(&b, &logits), 3, 4, &mut out);
     assert_eq!(b.download_i32(&out, 3).unwrap(), [1, 0, 2]);
 }
+
+/// `moe_experts` over stacked experts in every weight layout (GGUF blocks included) equals
+/// each row's chosen experts run one at a time through `matmul` on their own matrices, at a
+/// decode and a prefill row count.
+#[test]
+fn moe_experts_equal_each_rows_experts_through_matmul() {
+    use ingot_backend::MoeShape;
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(31);
+    let (experts, k, dim, ffn) = (8, 2, 256, 256);
+    for dtype in [
+        DType::F32,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_1,
+        DType::Q4K,
+    ] {
+        let (gu_bytes, _) = random_weight(&mut rng, dtype, experts * 2 * ffn, dim);
+        let (down_bytes, _) = random_weight(&mut rng, dtype, experts * dim, ffn);
+        let upload = |bytes: &[u8], numel: usize| {
+            let mut w = b.alloc(dtype, numel).unwrap();
+            b.upload(&mut w, bytes).unwrap();
+            w
+        };
+        let gate_up = upload(&gu_bytes, experts * 2 * ffn * dim);
+        let down = upload(&down_bytes, experts * dim * ffn);
+        for rows in [5, 70] {
+            let shape = MoeShape {
+                rows,
+                experts,
+                experts_per_token: k,
+                dim,
+                ffn,
+            };
+            let x = randn(&mut rng, rows * dim);
+            let ids: Vec<i32> = (0..rows)
+                .flat_map(|r| [(r % experts) as i32, ((r * 3 + 1) % experts) as i32])
+                .collect();
+            let weights: Vec<f32> = (0..rows).flat_map(|_| [0.75, 0.25]).collect();
+            let mut ws = b.alloc(DType::F32, b.moe_workspace_len(shape)).unwrap();
+            let mut out = f32_buf(&b, &vec![f32::NAN; rows * dim]);
+            b.moe_experts(
+                &f32_buf(&b, &x),
+                &i32_buf(&b, &ids),
+                &f32_buf(&b, &weights),
+                shape,
+                &gate_up,
+                &down,
+                &mut ws,
+                &mut out,
+            );
+            let got = b.download_f32(&out, rows * dim).unwrap();
+            let (gu_rows, down_rows) = (dtype.bytes_for(2 * ffn * dim), dtype.bytes_for(dim * ffn));
+            let mut want = vec![0f32; rows * dim];
+            for s in 0..rows * k {
+                let (r, e) = (s / k, ids[s] as usize);
+                let product = |input: &[f32], w: &CpuBuffer, n: usize, len: usize| {
+                    let mut o = f32_buf(&b, &vec![0.0; n]);
+                    let dst = MatmulOut {
+                        buf: &mut o,
+                        row_stride: n,
+                        col_offset: 0,
+                    };
+                    b.matmul(&f32_buf(&b, input), w, None, 1, n, len, dst);
+                    b.download_f32(&o, n).unwrap()
+                };
+                let gu_e = upload(&gu_bytes[e * gu_rows..][..gu_rows], 2 * ffn * dim);
+                let gu = product(&x[r * dim..][..dim], &gu_e, 2 * ffn, dim);
+                let act: Vec<f32> = (0..ffn)
+                    .map(|j| gu[j] / (1.0 + (-gu[j]).exp()) * gu[ffn + j])
+                    .collect();
+                let down_e = upload(&down_bytes[e * down_rows..][..down_rows], dim * ffn);
+                let y = product(&act, &down_e, dim, ffn);
+                for (o, y) in want[r * dim..][..dim].iter_mut().zip(y) {
+                    *o += weights[s] * y;
+                }
+            }
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let scale = want.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            assert!(
+                err <= 1e-2 * scale,
+                "{dtype} rows {rows}: max error {err} of {scale}"
+            );
+        }
+    }
+}

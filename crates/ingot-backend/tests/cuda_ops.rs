@@ -102,3 +102,9 @@ fn recorded_products_replay_on_new_inputs() {
 fn recorded_steps_replay_on_new_inputs() {
     conformance::recorded_steps_replay_on_new_inputs(&gpu(), DType::BF16);
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn moe_ops_match_the_cpu() {
+    conformance::moe_ops_match_the_cpu(&gpu(), &DTYPES);
+}

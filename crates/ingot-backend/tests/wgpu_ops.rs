@@ -181,3 +181,10 @@ fn recorded_steps_replay_on_new_inputs() {
         conformance::recorded_steps_replay_on_new_inputs(&g, DType::F32);
     }
 }
+
+#[test]
+fn moe_ops_match_the_cpu() {
+    for g in backends() {
+        conformance::moe_ops_match_the_cpu(&g, &DTYPES);
+    }
+}

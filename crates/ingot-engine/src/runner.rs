@@ -305,11 +305,7 @@ impl<B: Backend> ModelRunner<B> {
                 .iter()
                 .enumerate()
                 .all(|(i, &r)| r as usize == i);
-        // A mixture of experts reads its routing back to the host, which a recorded step
-        // cannot do.
-        let recorded = !self.config.enforce_eager
-            && self.config.head == Head::Logits
-            && self.model.config.moe.is_none();
+        let recorded = !self.config.enforce_eager && self.config.head == Head::Logits;
         if !recorded || !decode_only || !self.backend.records_steps() {
             return None;
         }

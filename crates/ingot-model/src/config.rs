@@ -94,6 +94,17 @@ impl MoeConfig {
         !self.dense_layers.contains(&layer)
     }
 
+    /// The backend's view of a step of `rows` rows of `hidden` through these experts.
+    pub fn shape(&self, rows: usize, hidden: usize) -> ingot_backend::MoeShape {
+        ingot_backend::MoeShape {
+            rows,
+            experts: self.num_experts,
+            experts_per_token: self.experts_per_token,
+            dim: hidden,
+            ffn: self.expert_intermediate_size,
+        }
+    }
+
     fn from_hf(
         v: &Value,
         arch: Arch,

@@ -52,7 +52,6 @@ pub struct Activations<B: Backend> {
     attn_workspace: B::Buffer,
     /// A mixture of experts' buffers, where the model has one.
     moe: Option<MoeBuffers<B>>,
-    dtype: DType,
     pub logits: B::Buffer,
     /// f32 `[max_logits, hidden]`: each sequence's sum of final-normed rows (mean pooling).
     sums: B::Buffer,
@@ -109,14 +108,15 @@ impl<B: Backend> Activations<B> {
         max_logits: usize,
         max_positions: usize,
     ) -> usize {
-        let mut acts: usize = Self::sizes(cfg, max_tokens, max_logits).iter().sum();
-        if let Some(moe) = &cfg.moe {
-            let (n, w) = (moe.num_experts, moe.expert_intermediate_size);
-            acts += MoeBuffers::<B>::sizes(max_tokens, cfg.hidden_size, n, w)
+        let acts: usize = Self::sizes(cfg, max_tokens, max_logits).iter().sum();
+        let moe: usize = match &cfg.moe {
+            Some(moe) => MoeBuffers::sizes(b, moe.shape(max_tokens, cfg.hidden_size))
                 .iter()
-                .sum::<usize>();
-        }
-        let f32s = max_logits * cfg.vocab_size
+                .sum(),
+            None => 0,
+        };
+        let f32s = moe
+            + max_logits * cfg.vocab_size
             + max_logits * cfg.hidden_size
             + max_positions * cfg.head_dim
             + b.attention_workspace_len(Self::layout(cfg), max_logits);
@@ -150,14 +150,7 @@ impl<B: Backend> Activations<B> {
             bytemuck::cast_slice(&crate::rope::cos_sin_table(cfg, max_positions)),
         )?;
         let moe = match &cfg.moe {
-            Some(moe) => Some(MoeBuffers::new(
-                b,
-                dtype,
-                max_tokens,
-                cfg.hidden_size,
-                moe.num_experts,
-                moe.expert_intermediate_size,
-            )?),
+            Some(moe) => Some(MoeBuffers::new(b, moe.shape(max_tokens, cfg.hidden_size))?),
             None => None,
         };
         let mut next = || bufs.next().expect("one buffer per size");
@@ -173,7 +166,6 @@ impl<B: Backend> Activations<B> {
             last_normed: next(),
             attn_workspace,
             moe,
-            dtype,
             logits,
             sums,
             cos_sin,
@@ -316,10 +308,9 @@ impl<B: Backend> Model<B> {
                         act: &mut a.act,
                     },
                     moe: a.moe.as_mut(),
-                    dtype: a.dtype,
                 };
                 let (normed, proj) = (&mut a.normed, &mut a.proj);
-                layer.mlp_add(b, &mut a.hidden, unit, eps, t, bufs, normed, proj)?;
+                layer.mlp_add(b, &mut a.hidden, unit, eps, t, bufs, normed, proj);
                 continue;
             }
             layer.o.forward(b, &a.attn, t, &mut a.proj);
@@ -331,9 +322,8 @@ impl<B: Backend> Model<B> {
                     act: &mut a.act,
                 },
                 moe: a.moe.as_mut(),
-                dtype: a.dtype,
             };
-            layer.mlp(b, &a.normed, t, bufs, &mut a.proj)?;
+            layer.mlp(b, &a.normed, t, bufs, &mut a.proj);
             match w.layers.get(i + 1) {
                 Some(next) => {
                     let norm = &next.attn_norm;

@@ -2,160 +2,94 @@
 //! transformers picks them), each expert's gated MLP runs over the tokens routed to it, and
 //! every token sums its experts' outputs by their weights.
 //!
-//! This first version is composed of the backend's dense ops and routes on the host: the
-//! router's logits are read back, the tokens of each expert gathered by index, and the
-//! weighted sums made on the host in a fixed order (a token's output does not depend on
-//! the other tokens of its step). So it runs on every backend, with a read-back per layer;
-//! device-side routing and grouped products are still to come.
+//! Three backend ops, with nothing read back: the router's product into f32 logits (so
+//! near-tied experts are told apart as in f32 whatever the activation dtype),
+//! [`Backend::moe_route`] and [`Backend::moe_experts`], which groups the tokens by expert
+//! on the device. A decode step of a mixture is therefore as recordable as a dense one.
 
 use crate::weights::Linear;
 use anyhow::Result;
-use half::{bf16, f16};
-use ingot_backend::{Backend, DType};
-
-/// The experts a token's router logits choose and their weights, as transformers picks
-/// them: softmax over every expert, the `k` largest (the lower index first among equals),
-/// rescaled to sum to 1 where `renormalize`.
-pub fn route(logits: &[f32], k: usize, renormalize: bool) -> Vec<(usize, f32)> {
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-    let sum: f32 = e.iter().sum();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
-    let mut chosen: Vec<(usize, f32)> = order[..k].iter().map(|&i| (i, e[i] / sum)).collect();
-    if renormalize {
-        let total: f32 = chosen.iter().map(|c| c.1).sum();
-        chosen.iter_mut().for_each(|c| c.1 /= total);
-    }
-    chosen
-}
-
-/// One expert's gated MLP.
-pub struct Expert<B: Backend> {
-    pub gate_up: Linear<B>,
-    pub down: Linear<B>,
-}
+use ingot_backend::{Backend, DType, MoeShape};
 
 pub struct MoeWeights<B: Backend> {
     /// `[num_experts, hidden]`.
     pub router: Linear<B>,
-    pub experts: Vec<Expert<B>>,
+    /// Every expert's `[gate; up]`: `[num_experts, 2 * ffn, hidden]`.
+    pub gate_up: B::Buffer,
+    /// Every expert's down projection: `[num_experts, hidden, ffn]`.
+    pub down: B::Buffer,
+    pub num_experts: usize,
+    pub ffn: usize,
     pub experts_per_token: usize,
     pub renormalize: bool,
 }
 
-/// Buffers of a step's mixture of experts, sized for the token budget: the router's
-/// logits, one expert's rows (their indices, inputs, gate/up product, activation and
-/// output).
+/// Buffers of a step's mixture of experts, sized for the token budget: the router's f32
+/// logits, each token's experts and weights, and the backend's workspace.
 pub struct MoeBuffers<B: Backend> {
     pub logits: B::Buffer,
-    pub rows: B::Buffer,
-    pub x: B::Buffer,
-    pub gate_up: B::Buffer,
-    pub act: B::Buffer,
-    pub y: B::Buffer,
+    pub ids: B::Buffer,
+    pub weights: B::Buffer,
+    pub workspace: B::Buffer,
 }
 
 impl<B: Backend> MoeBuffers<B> {
-    /// Element counts in the activation dtype (the rows' indices are i32): logits, x,
-    /// gate/up, act, y.
-    pub fn sizes(tokens: usize, hidden: usize, experts: usize, width: usize) -> [usize; 5] {
+    /// The 4-byte elements of the buffers: logits, ids, weights, workspace.
+    pub fn sizes(b: &B, shape: MoeShape) -> [usize; 4] {
         [
-            tokens * experts,
-            tokens * hidden,
-            tokens * 2 * width,
-            tokens * width,
-            tokens * hidden,
+            shape.rows * shape.experts,
+            shape.slots(),
+            shape.slots(),
+            b.moe_workspace_len(shape),
         ]
     }
 
-    pub fn new(
-        b: &B,
-        dtype: DType,
-        tokens: usize,
-        hidden: usize,
-        experts: usize,
-        width: usize,
-    ) -> Result<Self> {
-        let [logits, x, gate_up, act, y] = Self::sizes(tokens, hidden, experts, width);
+    pub fn new(b: &B, shape: MoeShape) -> Result<Self> {
+        let [logits, ids, weights, workspace] = Self::sizes(b, shape);
         Ok(MoeBuffers {
-            logits: b.alloc(dtype, logits)?,
-            rows: b.alloc(DType::I32, tokens)?,
-            x: b.alloc(dtype, x)?,
-            gate_up: b.alloc(dtype, gate_up)?,
-            act: b.alloc(dtype, act)?,
-            y: b.alloc(dtype, y)?,
+            logits: b.alloc(DType::F32, logits)?,
+            ids: b.alloc(DType::I32, ids)?,
+            weights: b.alloc(DType::F32, weights)?,
+            workspace: b.alloc(DType::F32, workspace)?,
         })
     }
 }
 
 impl<B: Backend> MoeWeights<B> {
     /// `out[:rows] = Σ_e w_e · expert_e(x)` over each row's chosen experts, for rows `x`
-    /// (`[rows, hidden]`, normed) in `dtype`.
+    /// (`[rows, hidden]`, normed).
     pub fn forward(
         &self,
         b: &B,
         x: &B::Buffer,
         rows: usize,
-        dtype: DType,
         buf: &mut MoeBuffers<B>,
         out: &mut B::Buffer,
-    ) -> Result<()> {
-        let d = self.router.in_features;
-        let n_experts = self.experts.len();
-        self.router.forward(b, x, rows, &mut buf.logits);
-        let logits = b.download_f32(&buf.logits, rows * n_experts)?;
-        // Per expert, its (row, weight) pairs in row order.
-        let mut routed: Vec<Vec<(usize, f32)>> = vec![vec![]; n_experts];
-        let mut slots: Vec<Vec<usize>> = Vec::with_capacity(rows);
-        for (r, scores) in logits.chunks(n_experts).enumerate() {
-            let chosen = route(scores, self.experts_per_token, self.renormalize);
-            slots.push(chosen.iter().map(|&(e, _)| e).collect());
-            for (e, w) in chosen {
-                routed[e].push((r, w));
-            }
-        }
-        // Each row's expert outputs, weighted, by expert; summed in the row's slot order.
-        let mut outputs: Vec<Vec<f32>> = vec![vec![]; n_experts];
-        for (e, expert) in self.experts.iter().enumerate() {
-            let routed = &routed[e];
-            if routed.is_empty() {
-                continue;
-            }
-            let n = routed.len();
-            let idx: Vec<i32> = routed.iter().map(|&(r, _)| r as i32).collect();
-            b.upload(&mut buf.rows, bytemuck::cast_slice(&idx))?;
-            b.gather_rows(x, &buf.rows, n, d, &mut buf.x);
-            expert.gate_up.forward(b, &buf.x, n, &mut buf.gate_up);
-            expert
-                .down
-                .forward_silu(b, &buf.gate_up, &mut buf.act, n, &mut buf.y);
-            outputs[e] = b.download_f32(&buf.y, n * d)?;
-        }
-        let mut next = vec![0usize; n_experts];
-        let mut sum = vec![0f32; rows * d];
-        for (r, experts) in slots.iter().enumerate() {
-            let o = &mut sum[r * d..(r + 1) * d];
-            for &e in experts {
-                let j = next[e];
-                next[e] += 1;
-                let (row, w) = routed[e][j];
-                debug_assert_eq!(row, r);
-                let y = &outputs[e][j * d..(j + 1) * d];
-                o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
-            }
-        }
-        let bytes: Vec<u8> = match dtype {
-            DType::F16 => sum
-                .iter()
-                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-                .collect(),
-            DType::BF16 => sum
-                .iter()
-                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-                .collect(),
-            _ => bytemuck::cast_slice(&sum).to_vec(),
+    ) {
+        let shape = MoeShape {
+            rows,
+            experts: self.num_experts,
+            experts_per_token: self.experts_per_token,
+            dim: self.router.in_features,
+            ffn: self.ffn,
         };
-        b.upload(out, &bytes)
+        self.router.forward(b, x, rows, &mut buf.logits);
+        b.moe_route(
+            &buf.logits,
+            shape,
+            self.renormalize,
+            &mut buf.ids,
+            &mut buf.weights,
+        );
+        b.moe_experts(
+            x,
+            &buf.ids,
+            &buf.weights,
+            shape,
+            &self.gate_up,
+            &self.down,
+            &mut buf.workspace,
+            out,
+        );
     }
 }

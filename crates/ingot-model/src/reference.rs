@@ -92,7 +92,8 @@ fn moe_forward(x: &[f32], router: &[f32], experts: &[Ffn], moe: &MoeConfig, d: u
         .zip(logits.chunks(experts.len()))
         .zip(out.chunks_mut(d))
     {
-        for (e, w) in crate::moe::route(scores, moe.experts_per_token, moe.renormalize) {
+        for (e, w) in ingot_backend::cpu::moe::route(scores, moe.experts_per_token, moe.renormalize)
+        {
             let y = experts[e].forward(row, d);
             o.iter_mut().zip(&y).for_each(|(o, y)| *o += w * y);
         }

@@ -3,7 +3,7 @@
 
 use crate::checkpoint::{Checkpoint, HostTensor, Role};
 use crate::config::ModelConfig;
-use crate::moe::{Expert, MoeBuffers, MoeWeights};
+use crate::moe::{MoeBuffers, MoeWeights};
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -213,11 +213,10 @@ pub struct DenseMlp<B: Backend> {
 }
 
 /// What a layer's MLP may write besides its output: the dense MLP's intermediates, and the
-/// buffers of a mixture of experts (in the activation dtype `dtype`) where the model has one.
+/// buffers of a mixture of experts where the model has one.
 pub struct MlpBuffers<'a, B: Backend> {
     pub scratch: MlpScratch<'a, B>,
     pub moe: Option<&'a mut MoeBuffers<B>>,
-    pub dtype: DType,
 }
 
 impl<B: Backend> LayerWeights<B> {
@@ -229,15 +228,12 @@ impl<B: Backend> LayerWeights<B> {
         rows: usize,
         bufs: MlpBuffers<'_, B>,
         out: &mut B::Buffer,
-    ) -> Result<()> {
+    ) {
         match &self.mlp {
-            Mlp::Dense(mlp) => {
-                mlp.forward(b, x, rows, bufs.scratch, out);
-                Ok(())
-            }
+            Mlp::Dense(mlp) => mlp.forward(b, x, rows, bufs.scratch, out),
             Mlp::Experts(moe) => {
                 let buf = bufs.moe.expect("a model with experts has their buffers");
-                moe.forward(b, x, rows, bufs.dtype, buf, out)
+                moe.forward(b, x, rows, buf, out)
             }
         }
     }
@@ -257,21 +253,32 @@ impl<B: Backend> LayerWeights<B> {
         bufs: MlpBuffers<'_, B>,
         normed: &mut B::Buffer,
         product: &mut B::Buffer,
-    ) -> Result<()> {
+    ) {
         match &self.mlp {
             Mlp::Dense(mlp) => {
-                mlp.forward_add(b, residual, unit, eps, rows, bufs.scratch, normed, product);
-                Ok(())
+                mlp.forward_add(b, residual, unit, eps, rows, bufs.scratch, normed, product)
             }
             Mlp::Experts(moe) => {
                 let d = moe.router.in_features;
                 b.rms_norm(residual, unit, eps, rows, d, normed);
                 let buf = bufs.moe.expect("a model with experts has their buffers");
-                moe.forward(b, normed, rows, bufs.dtype, buf, product)?;
+                moe.forward(b, normed, rows, buf, product);
                 b.add_assign(residual, product, rows * d);
-                Ok(())
             }
         }
+    }
+}
+
+/// The one buffer of a stack of experts' matrices, as [`Backend::moe_experts`] reads them.
+fn expert_stack<B: Backend>(linear: Linear<B>, what: &str) -> Result<B::Buffer> {
+    let count = linear.parts.len();
+    let mut parts = linear.parts.into_iter();
+    match (parts.next(), parts.next()) {
+        (Some(p), None) => Ok(p.weight),
+        _ => bail!(
+            "{what}: the experts' matrices make {count} buffers, not one (mixed dtypes, or \
+             larger than this backend's largest buffer); a mixture of experts needs them in one"
+        ),
     }
 }
 
@@ -654,27 +661,21 @@ impl<B: Backend> Weights<B> {
                     let (n, ef) = (moe.num_experts, moe.expert_intermediate_size);
                     let router = l.require(Role::Router, i)?;
                     let router = l.linear(vec![(router, None, n)], d, ffn_fold, &what("router"))?;
-                    let experts = (0..n)
-                        .map(|e| {
-                            let (g, u) = (
-                                l.require(Role::ExpertGate(e), i)?,
-                                l.require(Role::ExpertUp(e), i)?,
-                            );
-                            let what = |s: &str| what(&format!("expert {e} {s}"));
-                            let gate_up = l.linear(
-                                vec![(g, None, ef), (u, None, ef)],
-                                d,
-                                ffn_fold,
-                                &what("gate/up"),
-                            )?;
-                            let down = l.require(Role::ExpertDown(e), i)?;
-                            let down = l.linear(vec![(down, None, d)], ef, None, &what("down"))?;
-                            Ok(Expert { gate_up, down })
-                        })
-                        .collect::<Result<Vec<_>>>()?;
+                    let mut gate_up = vec![];
+                    let mut down = vec![];
+                    for e in 0..n {
+                        gate_up.push((l.require(Role::ExpertGate(e), i)?, None, ef));
+                        gate_up.push((l.require(Role::ExpertUp(e), i)?, None, ef));
+                        down.push((l.require(Role::ExpertDown(e), i)?, None, d));
+                    }
+                    let gate_up = l.linear(gate_up, d, ffn_fold, &what("experts' gate/up"))?;
+                    let down = l.linear(down, ef, None, &what("experts' down"))?;
                     Mlp::Experts(MoeWeights {
                         router,
-                        experts,
+                        gate_up: expert_stack(gate_up, &what("experts' gate/up"))?,
+                        down: expert_stack(down, &what("experts' down"))?,
+                        num_experts: n,
+                        ffn: ef,
                         experts_per_token: moe.experts_per_token,
                         renormalize: moe.renormalize,
                     })

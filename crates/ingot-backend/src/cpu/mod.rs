@@ -6,6 +6,7 @@ mod attention;
 mod attention16;
 mod buffer;
 mod matmul;
+pub mod moe;
 mod profile;
 mod team;
 mod topology;
@@ -15,7 +16,8 @@ pub use matmul::GEMV_MAX_ROWS;
 
 use crate::quant::dequantize_row;
 use crate::{
-    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, QkvLayout, SampleRow,
+    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, MoeShape, QkvLayout,
+    SampleRow,
 };
 use half::slice::HalfFloatSliceExt;
 use std::ops::Range;
@@ -546,5 +548,48 @@ impl Backend for CpuBackend {
                 }
             }
         }
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CpuBuffer,
+        shape: MoeShape,
+        renormalize: bool,
+        ids: &mut CpuBuffer,
+        weights: &mut CpuBuffer,
+    ) {
+        let _t = self.profile.time(|| "moe_route".into());
+        let (e, k) = (shape.experts, shape.experts_per_token);
+        let logits = &logits.f32()[..shape.rows * e];
+        let mut chosen = Vec::with_capacity(shape.slots());
+        for row in logits.chunks(e) {
+            chosen.extend(moe::route(row, k, renormalize));
+        }
+        for ((i, w), (e, p)) in ids.i32_mut()[..shape.slots()]
+            .iter_mut()
+            .zip(&mut weights.f32_mut()[..shape.slots()])
+            .zip(chosen)
+        {
+            (*i, *w) = (e as i32, p);
+        }
+    }
+
+    fn moe_workspace_len(&self, shape: MoeShape) -> usize {
+        moe::workspace_len(shape)
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CpuBuffer,
+        ids: &CpuBuffer,
+        weights: &CpuBuffer,
+        shape: MoeShape,
+        gate_up: &CpuBuffer,
+        down: &CpuBuffer,
+        workspace: &mut CpuBuffer,
+        out: &mut CpuBuffer,
+    ) {
+        let _t = self.profile.time(|| "moe_experts".into());
+        self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out);
     }
 }

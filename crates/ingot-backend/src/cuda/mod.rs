@@ -16,7 +16,7 @@ pub use module::{compile, PROGRAMS};
 
 use crate::{
     rms_norm_qkv_then_rope_kv_write, rms_norm_then_matmul, AttentionMetadata, Backend, CacheLayout,
-    DType, MatmulOut, MemoryInfo, MlpScratch, QkvLayout, RopeKvWrite,
+    DType, MatmulOut, MemoryInfo, MlpScratch, MoeShape, QkvLayout, RopeKvWrite,
 };
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
@@ -54,7 +54,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 9] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 13] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -64,6 +64,10 @@ const KERNEL_DEFINITIONS: [(&str, usize); 9] = [
     ("TMA_WARPS", tma_product::WARPS),
     ("TMA_KW", tma_product::K_WARPS),
     ("TMA_ROWS", tma_product::BOX_ROWS),
+    ("MOE_TILE", moe::TILE),
+    ("MOE_WARPS", moe::WARPS),
+    ("MOE_GATE_COLS", moe::GATE_COLS),
+    ("MOE_DOWN_COLS", moe::DOWN_COLS),
 ];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;
@@ -140,6 +144,8 @@ pub struct CudaBackend {
     /// The first error an enqueued op raised, reported by the next `synchronize`.
     error: Mutex<Option<anyhow::Error>>,
     graphs: Mutex<HashMap<u64, Graph>>,
+    /// Whether ops are being captured into a CUDA graph, where nothing may be read back.
+    capturing: std::sync::atomic::AtomicBool,
     profiler: Mutex<Option<Profiler>>,
     name: String,
     sm_count: u32,
@@ -195,6 +201,9 @@ macro_rules! launch {
     }};
 }
 
+// After `launch!`, which it uses.
+mod moe;
+
 impl CudaBackend {
     /// Opens GPU `ordinal`: loads the libraries, compiles (or reads the cached) kernels
     /// for its architecture and sets up cuBLASLt.
@@ -243,6 +252,7 @@ impl CudaBackend {
             tma_products: major >= 9,
             error: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
+            capturing: false.into(),
             profiler: Mutex::new(None),
             name,
             sm_count,
@@ -759,7 +769,11 @@ impl Backend for CudaBackend {
                 // Relaxed: kernels looked up for the first time during capture are fine.
                 self.stream
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+                self.capturing
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
                 record();
+                self.capturing
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
                 let graph = self
                     .stream
                     .end_capture(CUgraphInstantiate_flags(0))
@@ -1281,5 +1295,44 @@ impl Backend for CudaBackend {
     ) {
         let (xp, q, d, o) = (x.ptr, query_start_loc.ptr, dim as i32, out.ptr);
         launch!(self, format!("segment_sum_{}", suffix(x.dtype)), (num_seqs as u32, 1, 1), row_threads(dim).min(256); xp, q, d, o);
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CudaBuffer,
+        shape: MoeShape,
+        renormalize: bool,
+        ids: &mut CudaBuffer,
+        weights: &mut CudaBuffer,
+    ) {
+        let (l, e, k, rn, i, w) = (
+            logits.ptr,
+            shape.experts as i32,
+            shape.experts_per_token as i32,
+            renormalize as i32,
+            ids.ptr,
+            weights.ptr,
+        );
+        let threads = row_threads(shape.experts).min(256);
+        let shared = 4 * shape.experts as u32;
+        launch!(self, "moe_route".into(), label = "moe_route".into(), shared = shared, (shape.rows as u32, 1, 1), threads; l, e, k, rn, i, w);
+    }
+
+    fn moe_workspace_len(&self, shape: MoeShape) -> usize {
+        moe::Workspace::new(shape).len
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CudaBuffer,
+        ids: &CudaBuffer,
+        weights: &CudaBuffer,
+        shape: MoeShape,
+        gate_up: &CudaBuffer,
+        down: &CudaBuffer,
+        workspace: &mut CudaBuffer,
+        out: &mut CudaBuffer,
+    ) {
+        self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out);
     }
 }

@@ -13,7 +13,8 @@ mod recorder;
 pub mod shader;
 
 use crate::{
-    AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MlpScratch, QkvLayout, RopeKvWrite,
+    AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MlpScratch, MoeShape, QkvLayout,
+    RopeKvWrite,
 };
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use recorder::Recorder;
@@ -605,6 +606,20 @@ fn grid(groups: usize) -> [u32; 3] {
     } else {
         [GRID_X, groups.div_ceil(GRID_X), 1]
     }
+}
+
+/// moe.wgsl's parameters: the shape, `n` outputs, and where moe_down's outputs start.
+fn moe_params(shape: MoeShape, renormalize: bool, n: usize, y_off: usize) -> Vec<u32> {
+    words(&[
+        shape.rows,
+        shape.experts,
+        shape.experts_per_token,
+        shape.dim,
+        shape.ffn,
+        renormalize as usize,
+        n,
+        y_off,
+    ])
 }
 
 fn words(v: &[usize]) -> Vec<u32> {
@@ -1418,6 +1433,73 @@ impl Backend for WgpuBackend {
             &words(&[num_seqs * dim, dim]),
             &[(1, &x.buf), (2, &query_start_loc.buf), (3, &out.buf)],
             (num_seqs * dim).div_ceil(WG as usize),
+        );
+    }
+
+    fn moe_route(
+        &self,
+        logits: &WgpuBuffer,
+        shape: MoeShape,
+        renormalize: bool,
+        ids: &mut WgpuBuffer,
+        weights: &mut WgpuBuffer,
+    ) {
+        self.dispatch(
+            &shader::MOE,
+            "moe_route",
+            DType::F32,
+            &moe_params(shape, renormalize, 0, 0),
+            &[(1, &logits.buf), (3, &ids.buf), (4, &weights.buf)],
+            shape.rows.div_ceil(WG as usize),
+        );
+    }
+
+    fn moe_workspace_len(&self, shape: MoeShape) -> usize {
+        shape.slots() * (shape.ffn + shape.dim)
+    }
+
+    fn moe_experts(
+        &self,
+        x: &WgpuBuffer,
+        ids: &WgpuBuffer,
+        weights: &WgpuBuffer,
+        shape: MoeShape,
+        gate_up: &WgpuBuffer,
+        down: &WgpuBuffer,
+        workspace: &mut WgpuBuffer,
+        out: &mut WgpuBuffer,
+    ) {
+        let slots = shape.slots();
+        let (acts, ys) = (slots * shape.ffn, slots * shape.dim);
+        self.dispatch(
+            &shader::MOE,
+            "moe_gate_up",
+            gate_up.dtype,
+            &moe_params(shape, false, acts, 0),
+            &[
+                (1, &x.buf),
+                (2, &gate_up.buf),
+                (3, &ids.buf),
+                (5, &workspace.buf),
+            ],
+            acts.div_ceil(WG as usize),
+        );
+        self.dispatch(
+            &shader::MOE,
+            "moe_down",
+            down.dtype,
+            &moe_params(shape, false, ys, acts),
+            &[(2, &down.buf), (3, &ids.buf), (5, &workspace.buf)],
+            ys.div_ceil(WG as usize),
+        );
+        let n = shape.rows * shape.dim;
+        self.dispatch(
+            &shader::MOE,
+            "moe_combine",
+            DType::F32,
+            &moe_params(shape, false, n, acts),
+            &[(1, &workspace.buf), (4, &weights.buf), (5, &out.buf)],
+            n.div_ceil(WG as usize),
         );
     }
 }

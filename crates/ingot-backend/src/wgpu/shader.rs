@@ -191,6 +191,20 @@ pub const ATTENTION: Kernel = Kernel {
     dtypes: FLOATS,
 };
 
+pub const MOE: Kernel = Kernel {
+    file: "moe",
+    entries: &["moe_route", "moe_gate_up", "moe_down", "moe_combine"],
+    source: include_str!("kernels/moe.wgsl"),
+    typed: &[Typed {
+        name: "w",
+        binding: 2,
+        access: Access::Read,
+        wide: None,
+    }],
+    reduces: false,
+    dtypes: WEIGHTS,
+};
+
 pub const SAMPLING: Kernel = Kernel {
     file: "sampling",
     entries: &["argmax", "sample"],
@@ -208,6 +222,7 @@ pub const KERNELS: &[&Kernel] = &[
     &QKV_ROPE,
     &ROPE,
     &ATTENTION,
+    &MOE,
     &SAMPLING,
 ];
 

@@ -1642,3 +1642,149 @@ pub fn recorded_products_replay_on_new_inputs<G: Backend>(g: &G, dtype: DType, r
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// A mixture of experts' ops against the CPU's: `moe_route` on random router logits (and
+/// on logits where one expert wins every row), then `moe_experts` on the CPU's routing, in
+/// every activation and weight dtype: odd row counts, experts that get no row, one expert
+/// that gets every row, top-k 1, 2 and 8 of 8 and 128 experts, and widths the 16-byte loads
+/// do not take, and a prefill-sized step. Up to 64 rows (decode batches) each row's output
+/// is then recomputed alone and must be the same bits: a row's result does not depend on
+/// the other rows of its step.
+pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    use ingot_backend::MoeShape;
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(21);
+    // (rows, experts, k, dim, ffn, one expert wins every row)
+    let cases = [
+        (1, 8, 2, 64, 32, false),
+        (5, 8, 1, 64, 96, true),
+        (7, 128, 8, 64, 32, false),
+        (33, 8, 2, 40, 24, false),
+        (3, 128, 2, 67, 33, false),
+        (19, 8, 8, 64, 64, true),
+        (64, 128, 8, 256, 64, false),
+        (300, 128, 8, 256, 64, false),
+    ];
+    for &dtype in d.activations {
+        for (rows, experts, k, dim, ffn, one_wins) in cases {
+            let shape = MoeShape {
+                rows,
+                experts,
+                experts_per_token: k,
+                dim,
+                ffn,
+            };
+            let slots = shape.slots();
+            let mut logits: Vec<f32> = randn(&mut rng, rows * experts)
+                .iter()
+                .map(|v| 4.0 * v)
+                .collect();
+            if one_wins {
+                logits.chunks_mut(experts).for_each(|r| r[3] += 20.0);
+            }
+            let route = |b: &dyn Fn(&mut G::Buffer, &mut G::Buffer)| {
+                let (mut ids, mut w) = (
+                    poisoned(g, DType::I32, slots),
+                    poisoned(g, DType::F32, slots),
+                );
+                b(&mut ids, &mut w);
+                (
+                    g.download_i32(&ids, slots).unwrap(),
+                    g.download_f32(&w, slots).unwrap(),
+                )
+            };
+            let (ids, weights) =
+                route(&|ids, w| g.moe_route(&up(g, &logits, DType::F32), shape, true, ids, w));
+            let (mut cids, mut cw) = (
+                c.alloc(DType::I32, slots).unwrap(),
+                c.alloc(DType::F32, slots).unwrap(),
+            );
+            c.moe_route(
+                &up(&c, &logits, DType::F32),
+                shape,
+                true,
+                &mut cids,
+                &mut cw,
+            );
+            let (want_ids, want_w) = (
+                c.download_i32(&cids, slots).unwrap(),
+                c.download_f32(&cw, slots).unwrap(),
+            );
+            assert_eq!(ids, want_ids, "moe_route {rows}x{experts} top-{k}: experts");
+            check(
+                &weights,
+                &want_w,
+                DType::F32,
+                &format!("moe_route {rows}x{experts} top-{k}: weights"),
+            );
+            if one_wins {
+                assert!(ids.chunks(k).all(|r| r[0] == 3), "expert 3 wins every row");
+            }
+            let x = round(&randn(&mut rng, rows * dim), dtype);
+            for wd in (d.weights)(dtype) {
+                let Some((gu_data, gu)) = matrix(&mut rng, wd, experts * 2 * ffn, dim) else {
+                    continue;
+                };
+                let Some((down_data, down)) = matrix(&mut rng, wd, experts * dim, ffn) else {
+                    continue;
+                };
+                let (gu_buf, down_buf) = (
+                    up_raw(g, &gu_data, wd, experts * 2 * ffn * dim),
+                    up_raw(g, &down_data, wd, experts * dim * ffn),
+                );
+                let run = |x: &[f32], ids: &[i32], w: &[f32], shape: MoeShape| {
+                    let mut ws = g.alloc(DType::F32, g.moe_workspace_len(shape)).unwrap();
+                    let mut out = poisoned(g, dtype, shape.rows * dim);
+                    g.moe_experts(
+                        &up(g, x, dtype),
+                        &up_i32(g, ids),
+                        &up(g, w, DType::F32),
+                        shape,
+                        &gu_buf,
+                        &down_buf,
+                        &mut ws,
+                        &mut out,
+                    );
+                    g.download_f32(&out, shape.rows * dim).unwrap()
+                };
+                let got = run(&x, &want_ids, &want_w, shape);
+                let mut ws = c.alloc(DType::F32, c.moe_workspace_len(shape)).unwrap();
+                let mut want = c.alloc(DType::F32, rows * dim).unwrap();
+                c.moe_experts(
+                    &up(&c, &x, DType::F32),
+                    &cids,
+                    &cw,
+                    shape,
+                    &up(&c, &gu, DType::F32),
+                    &up(&c, &down, DType::F32),
+                    &mut ws,
+                    &mut want,
+                );
+                let what =
+                    format!("moe_experts {dtype}x{wd} {rows}x{experts} top-{k} dim{dim} ffn{ffn}");
+                check(
+                    &got,
+                    &c.download_f32(&want, rows * dim).unwrap(),
+                    dtype,
+                    &what,
+                );
+                let decode_batch = rows <= 64;
+                for r in [0, rows / 2, rows - 1].into_iter().filter(|_| decode_batch) {
+                    let alone = MoeShape { rows: 1, ..shape };
+                    let one = run(
+                        &x[r * dim..][..dim],
+                        &want_ids[r * k..][..k],
+                        &want_w[r * k..][..k],
+                        alone,
+                    );
+                    assert!(
+                        one.iter()
+                            .zip(&got[r * dim..][..dim])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: row {r} alone differs from its row in the step"
+                    );
+                }
+            }
+        }
+    }
+}
