@@ -18,18 +18,6 @@
 #define THREADS 256
 #define SILU_COLS_M1 8
 
-// 16 bytes of weights, read once: loaded past L1 (`L1::no_allocate`), so that the input
-// rows every block of the product reads stay there instead of being pushed out by the
-// weight stream (H100, Llama-8B shapes, same machine, three runs each: B=1 decode 174.7 /
-// 174.4 / 174.8 tok/s against 172.2 / 172.8 / 172.7 with cached loads).
-__device__ __forceinline__ uint4 load_streamed(const void* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
     const T* e = reinterpret_cast<const T*>(&v);

@@ -23,6 +23,17 @@ template <> __device__ __forceinline__ void load8<float>(const float* p, float* 
     f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
+// 8 weights, streamed past L1 as the GEMV streams them (the tile's inputs stay cached).
+template <typename T> __device__ __forceinline__ void load8_weights(const T* p, float* f) {
+    const uint4 v = load_streamed(p);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = to_f32(e[i]);
+}
+template <> __device__ __forceinline__ void load8_weights<float>(const float* p, float* f) {
+    load8<float>(p, f);
+}
+
 // Keeps the larger value, the lower index among equals.
 __device__ __forceinline__ void keep_better(float& v, int& i, float v2, int i2) {
     if (v2 > v || (v2 == v && i2 < i)) {
@@ -166,11 +177,12 @@ __device__ __forceinline__ void warp_tile_dots(const X* const* x, int n, const W
 #pragma unroll
         for (int c = 0; c < C; c++) acc[r][c] = 0.0f;
     const int vec_len = len % 8 == 0 ? len : 0;
-#pragma unroll 2
+    // Four steps along k unrolled, so that their weight loads are in flight together.
+#pragma unroll 4
     for (int kk = lane * 8; kk < vec_len; kk += 32 * 8) {
         float wf[C][8];
 #pragma unroll
-        for (int c = 0; c < C; c++) load8<W>(w[c] + kk, wf[c]);
+        for (int c = 0; c < C; c++) load8_weights<W>(w[c] + kk, wf[c]);
 #pragma unroll
         for (int r = 0; r < MOE_TILE; r++) {
             if (r < n) {
