@@ -1,8 +1,8 @@
 //! Writes a tiny random model (`SyntheticSpec::tiny`) as an HF directory, for the reference
 //! scripts in tools/reference and for benchmarks of shapes no checkpoint here has:
 //! `cargo run -p ingot-model --example synthetic -- qwen3 DIR [KEY=VALUE ...]`, where KEY
-//! is vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, or (for qwen3_moe and
-//! mixtral) experts, per_token and expert_width.
+//! is vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, max_positions, or (for
+//! qwen3_moe and mixtral) experts, per_token and expert_width.
 
 use anyhow::{bail, Context, Result};
 use ingot_model::synthetic::SyntheticSpec;
@@ -31,6 +31,7 @@ fn main() -> Result<()> {
             "heads" => spec.num_heads = n,
             "kv_heads" => spec.num_kv_heads = n,
             "head_dim" => spec.head_dim = n,
+            "max_positions" => spec.max_positions = n,
             "experts" => spec.experts = Some((n, experts()?.1, experts()?.2)),
             "per_token" => spec.experts = Some((experts()?.0, n, experts()?.2)),
             "expert_width" => spec.experts = Some((experts()?.0, experts()?.1, n)),

@@ -20,6 +20,8 @@ pub struct SyntheticSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub tie_word_embeddings: bool,
+    /// `max_position_embeddings`: the longest context the model takes.
+    pub max_positions: usize,
     /// For Qwen3-MoE and Mixtral: the experts, how many a token uses, and each one's MLP
     /// width.
     pub experts: Option<(usize, usize, usize)>,
@@ -44,6 +46,7 @@ impl SyntheticSpec {
             num_kv_heads: 2,
             head_dim: 32,
             tie_word_embeddings: matches!(arch, Arch::Qwen2 | Arch::Qwen3),
+            max_positions: 512,
             experts: match arch {
                 Arch::Qwen3Moe => Some((8, 2, 32)),
                 Arch::Mixtral => Some((4, 2, 48)),
@@ -222,7 +225,7 @@ impl SyntheticSpec {
             "head_dim": hd,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
-            "max_position_embeddings": 512,
+            "max_position_embeddings": self.max_positions,
             "tie_word_embeddings": self.tie_word_embeddings,
             "eos_token_id": 1,
         });

@@ -318,9 +318,10 @@ pub fn synthetic_models_match_the_cpu<B: Backend>(
             let reference = cpu_reference_of(&device);
             let mut cpu = runner_on(reference, &dir, dtype, 24, 4, 512, 64);
             let mut gpu = runner_on(device, &dir, dtype, 24, 4, 512, 64);
-            // Router logits rounded to 16 bits flip near-tied choices among the tiny models'
-            // experts against the f32 CPU, which moves logits far past rounding (7.7e-2 for
-            // Qwen3-MoE in bf16 on an H200): mixtures of experts are compared in f32.
+            // 16-bit activations reaching the router flip near-tied choices among the tiny
+            // models' experts against the f32 CPU, which moves logits far past rounding
+            // (7.7e-2 for Qwen3-MoE in bf16 on an H200, when the router's logits were also
+            // rounded; they are f32 now): mixtures of experts are compared in f32.
             let activations = gpu.model.weights.activation_dtype;
             if gpu.model.config.moe.is_some() && activations != ingot_backend::DType::F32 {
                 println!("{arch:?} {stored:?}: skipped ({activations} activations)");
