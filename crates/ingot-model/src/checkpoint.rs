@@ -1,7 +1,7 @@
 //! Model files on disk — an HF safetensors directory or a single GGUF file — seen through
 //! one interface: the config and each weight by its role.
 
-use crate::config::{Arch, ModelConfig, RopeScaling};
+use crate::config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 use crate::gguf::{GgufFile, Value};
 use anyhow::{bail, ensure, Context, Result};
 use ingot_backend::DType;
@@ -100,11 +100,19 @@ impl Role {
             Role::Up => l("ffn_up.weight"),
             Role::Down => l("ffn_down.weight"),
             Role::Router => l("ffn_gate_inp.weight"),
-            // llama.cpp stores the experts as 3-D tensors (`ffn_{gate,up,down}_exps`),
-            // which are not read yet: the config refuses such files first.
-            Role::ExpertGate(e) | Role::ExpertUp(e) | Role::ExpertDown(e) => {
-                l(&format!("ffn_exps.{e}"))
-            }
+            // llama.cpp stacks a layer's experts in one 3-D tensor per projection;
+            // `Checkpoint::tensor` cuts expert e's matrix out of it.
+            Role::ExpertGate(_) => l("ffn_gate_exps.weight"),
+            Role::ExpertUp(_) => l("ffn_up_exps.weight"),
+            Role::ExpertDown(_) => l("ffn_down_exps.weight"),
+        }
+    }
+
+    /// The expert a role belongs to.
+    fn expert(self) -> Option<usize> {
+        match self {
+            Role::ExpertGate(e) | Role::ExpertUp(e) | Role::ExpertDown(e) => Some(e),
+            _ => None,
         }
     }
 }
@@ -335,12 +343,24 @@ impl Checkpoint {
                 let Some(info) = file.tensors.get(&name) else {
                     return Ok(None);
                 };
-                let shape: Vec<usize> = info.dims.iter().rev().copied().collect();
+                let mut shape: Vec<usize> = info.dims.iter().rev().copied().collect();
+                let mut data = file.data(info);
+                if let Some(e) = role.expert() {
+                    ensure!(
+                        shape.len() == 3 && e < shape[0],
+                        "{name}: expected [experts, rows, cols] with expert {e}, found {shape:?}"
+                    );
+                    let bytes = info.dtype.bytes_for(shape[1] * shape[2]);
+                    data = data
+                        .get(e * bytes..(e + 1) * bytes)
+                        .with_context(|| format!("{name}: expert {e} out of range"))?;
+                    shape.remove(0);
+                }
                 let mut t = HostTensor {
                     dtype: info.dtype,
                     shape,
-                    data: Cow::Borrowed(file.data(info)),
-                    mapped: file.data(info),
+                    data: Cow::Borrowed(data),
+                    mapped: data,
                 };
                 // llama.cpp's converter interleaves the rotary halves of each Llama q/k head
                 // for its GPT-J style RoPE; undo it to run NeoX-style RoPE like HF.
@@ -423,19 +443,68 @@ fn unpermute_rows(t: &HostTensor<'_>, heads: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// The mixture of experts of a GGUF's Qwen3-MoE or Mixtral: counts from the metadata (the
+/// expert width is `expert_feed_forward_length`, or Mixtral's `feed_forward_length`), the
+/// sparse layers those with a router (`ffn_gate_inp`). llama.cpp renormalizes the chosen
+/// experts' weights for both unless `expert_weights_norm` says otherwise.
+fn gguf_moe(
+    file: &GgufFile,
+    arch: Arch,
+    num: &dyn Fn(&str) -> Result<usize>,
+) -> Result<Option<MoeConfig>> {
+    let width = match arch {
+        Arch::Qwen3Moe => num("expert_feed_forward_length")?,
+        Arch::Mixtral => num("feed_forward_length")?,
+        _ => {
+            ensure!(
+                !file.tensors.contains_key("blk.0.ffn_gate_inp.weight"),
+                "this GGUF has a mixture of experts (ffn_gate_inp) in an architecture ingot runs \
+                 dense; mixtures run as qwen3moe or llama (Mixtral)"
+            );
+            return Ok(None);
+        }
+    };
+    let layers = num("block_count")?;
+    let arch_name = gguf_arch(file)?;
+    let moe = MoeConfig {
+        num_experts: num("expert_count")?,
+        experts_per_token: num("expert_used_count")?,
+        expert_intermediate_size: width,
+        renormalize: file
+            .get(&format!("{arch_name}.expert_weights_norm"))
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        dense_layers: (0..layers)
+            .filter(|l| {
+                !file
+                    .tensors
+                    .contains_key(&format!("blk.{l}.ffn_gate_inp.weight"))
+            })
+            .collect(),
+    };
+    ensure!(
+        moe.experts_per_token > 0 && moe.experts_per_token <= moe.num_experts,
+        "GGUF: {} experts per token of {}",
+        moe.experts_per_token,
+        moe.num_experts
+    );
+    Ok(Some(moe))
+}
+
 fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
     let arch_name = gguf_arch(file)?;
-    ensure!(
-        !file.tensors.contains_key("blk.0.ffn_gate_inp.weight"),
-        "GGUF files with a mixture of experts (ffn_gate_inp, ffn_*_exps) are not supported yet; the HF safetensors directory of the model is"
-    );
-    let arch = Arch::from_name(arch_name)?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let num = |k: &str| -> Result<usize> {
         file.get(&key(k))
             .and_then(Value::as_u64)
             .map(|v| v as usize)
             .with_context(|| format!("GGUF metadata lacks `{}`", key(k)))
+    };
+    // llama.cpp names Qwen3-MoE `qwen3moe` and writes Mixtral as a `llama` with experts.
+    let arch = match arch_name {
+        "qwen3moe" => Arch::Qwen3Moe,
+        "llama" if num("expert_count").is_ok_and(|n| n > 0) => Arch::Mixtral,
+        other => Arch::from_name(other)?,
     };
     let float = |k: &str| file.get(&key(k)).and_then(Value::as_f32);
     let hidden_size = num("embedding_length")?;
@@ -481,7 +550,7 @@ fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
         tie_word_embeddings: !file.tensors.contains_key("output.weight"),
         qkv_bias: file.tensors.contains_key("blk.0.attn_q.bias"),
         qk_norm: file.tensors.contains_key("blk.0.attn_q_norm.weight"),
-        moe: None,
+        moe: gguf_moe(file, arch, &num)?,
     };
     if let Some(dims) = file
         .get(&key("rope.dimension_count"))
