@@ -81,8 +81,8 @@ __device__ __forceinline__ float block_max(float v) {
 // sum to 1 where `renormalize`.
 extern "C" __global__ void moe_route(const float* logits, int experts, int k, int renormalize,
                                      int* ids, float* probs) {
-    extern __shared__ float p[];
     await_previous_kernel();
+    extern __shared__ float p[];
     const long long r = blockIdx.x;
     const float* l = logits + r * experts;
     float m = NEG_INF;
@@ -118,9 +118,9 @@ extern "C" __global__ void moe_route(const float* logits, int experts, int k, in
 // at each grouped position; slot_pos: the grouped position of each slot).
 extern "C" __global__ void moe_group(const int* ids, int slots, int experts, int* offsets,
                                      int* tile_offsets, int* order, int* slot_pos) {
+    await_previous_kernel();
     extern __shared__ int counts[];
     int* cursor = counts + experts;
-    await_previous_kernel();
     for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
     __syncthreads();
     for (int s = threadIdx.x; s < slots; s += blockDim.x) atomicAdd(&counts[ids[s]], 1);
