@@ -446,10 +446,12 @@ fn unpermute_rows(t: &HostTensor<'_>, heads: usize) -> Result<Vec<u8>> {
 /// The mixture of experts of a GGUF's Qwen3-MoE or Mixtral: counts from the metadata (the
 /// expert width is `expert_feed_forward_length`, or Mixtral's `feed_forward_length`), the
 /// sparse layers those with a router (`ffn_gate_inp`). llama.cpp renormalizes the chosen
-/// experts' weights for both unless `expert_weights_norm` says otherwise.
+/// experts' weights for both unless `expert_weights_norm` says otherwise. `validate` checks
+/// the counts.
 fn gguf_moe(
     file: &GgufFile,
     arch: Arch,
+    arch_name: &str,
     num: &dyn Fn(&str) -> Result<usize>,
 ) -> Result<Option<MoeConfig>> {
     let width = match arch {
@@ -465,8 +467,7 @@ fn gguf_moe(
         }
     };
     let layers = num("block_count")?;
-    let arch_name = gguf_arch(file)?;
-    let moe = MoeConfig {
+    Ok(Some(MoeConfig {
         num_experts: num("expert_count")?,
         experts_per_token: num("expert_used_count")?,
         expert_intermediate_size: width,
@@ -481,14 +482,7 @@ fn gguf_moe(
                     .contains_key(&format!("blk.{l}.ffn_gate_inp.weight"))
             })
             .collect(),
-    };
-    ensure!(
-        moe.experts_per_token > 0 && moe.experts_per_token <= moe.num_experts,
-        "GGUF: {} experts per token of {}",
-        moe.experts_per_token,
-        moe.num_experts
-    );
-    Ok(Some(moe))
+    }))
 }
 
 fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
@@ -550,7 +544,7 @@ fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
         tie_word_embeddings: !file.tensors.contains_key("output.weight"),
         qkv_bias: file.tensors.contains_key("blk.0.attn_q.bias"),
         qk_norm: file.tensors.contains_key("blk.0.attn_q_norm.weight"),
-        moe: gguf_moe(file, arch, &num)?,
+        moe: gguf_moe(file, arch, arch_name, &num)?,
     };
     if let Some(dims) = file
         .get(&key("rope.dimension_count"))

@@ -154,13 +154,6 @@ impl MoeConfig {
             },
             _ => return Ok(None),
         };
-        if moe.experts_per_token == 0 || moe.experts_per_token > moe.num_experts {
-            bail!(
-                "config.json: {} experts per token of {}",
-                moe.experts_per_token,
-                moe.num_experts
-            );
-        }
         if v.get("shared_expert_intermediate_size")
             .and_then(Value::as_u64)
             .is_some_and(|n| n > 0)
@@ -277,6 +270,15 @@ impl ModelConfig {
                 self.vocab_size
             );
         }
+        if let Some(moe) = &self.moe {
+            if moe.experts_per_token == 0 || moe.experts_per_token > moe.num_experts {
+                bail!(
+                    "inconsistent mixture of experts: {} experts per token of {}",
+                    moe.experts_per_token,
+                    moe.num_experts
+                );
+            }
+        }
         Ok(())
     }
 
@@ -370,6 +372,12 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("num_experts"), "{e}");
+        let e = ModelConfig::from_hf_json(
+            r#"{"model_type":"mixtral","hidden_size":64,"intermediate_size":96,"num_hidden_layers":2,
+                "num_attention_heads":4,"vocab_size":100,"num_local_experts":4,"num_experts_per_tok":5}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("5 experts per token of 4"), "{e}");
     }
 
     #[test]
