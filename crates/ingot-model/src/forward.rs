@@ -75,8 +75,7 @@ impl<B: Backend> Activations<B> {
 
     /// Element counts of the activation-dtype buffers, in field order.
     fn sizes(cfg: &ModelConfig, max_tokens: usize, max_logits: usize) -> [usize; 9] {
-        let d = cfg.hidden_size;
-        let f = cfg.intermediate_size;
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
         let qkv_len = cfg.q_size() + 2 * cfg.kv_size();
         [
             max_tokens * d,
@@ -213,8 +212,7 @@ pub struct Model<B: Backend> {
 
 impl<B: Backend> Model<B> {
     /// Runs one step and leaves `head`'s rows in [`Activations::output`]: the logits of the
-    /// `num_logits` selected rows as `[num_logits, vocab_size]`, or pooled rows. Fails only
-    /// where a mixture of experts reads its routing back and that fails.
+    /// `num_logits` selected rows as `[num_logits, vocab_size]`, or pooled rows.
     pub fn forward(
         &self,
         b: &B,
@@ -222,7 +220,7 @@ impl<B: Backend> Model<B> {
         acts: &mut Activations<B>,
         kv: &mut KvCache<B>,
         head: Head,
-    ) -> Result<()> {
+    ) {
         let cfg = &self.config;
         let w = &self.weights;
         let t = step.num_tokens;
@@ -336,7 +334,7 @@ impl<B: Backend> Model<B> {
             b.rms_norm(&a.hidden, &w.final_norm, eps, t, d, &mut a.normed);
             let (qsl, s) = (&step.query_start_loc, step.num_seqs);
             b.segment_sum(&a.normed, qsl, s, d, &mut a.sums);
-            return Ok(());
+            return;
         }
         // Only the sampled (or pooled) rows need the final norm and the vocabulary
         // projection.
@@ -351,12 +349,11 @@ impl<B: Backend> Model<B> {
             &mut a.last_normed,
         );
         if head != Head::Logits {
-            return Ok(());
+            return;
         }
         w.lm_head
             .as_ref()
             .unwrap_or(&w.embed)
             .forward(b, &a.last_normed, n, &mut a.logits);
-        Ok(())
     }
 }
