@@ -51,7 +51,41 @@ pub struct CpuBackend {
     fold_norms: bool,
 }
 
+/// Matrix `i` of `n` rows of `k` in a buffer of such matrices stacked (a plain matrix is
+/// matrix 0), as the matmul reads it.
+fn stacked_matrix(w: &CpuBuffer, i: usize, n: usize, k: usize) -> matmul::Weight<'_> {
+    match w.dtype() {
+        DType::F32 => matmul::Weight::F32(&w.f32()[i * n * k..][..n * k]),
+        d => {
+            let len = d.bytes_for(n * k);
+            matmul::Weight::Bytes(d, &w.bytes()[i * len..][..len])
+        }
+    }
+}
+
 impl CpuBackend {
+    /// [`matmul::matmul`] on the worker pool with the backend's activation scratch.
+    ///
+    /// # Safety
+    /// As [`matmul::matmul`]: `dst` is valid for writes of `m` rows of `n` at its stride,
+    /// and nothing else aliases them during the call.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run_matmul(
+        &self,
+        x: &[f32],
+        w: matmul::Weight<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: matmul::Dst,
+    ) {
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let scratch: &mut matmul::ActivationScratch = &mut guard;
+        // SAFETY: the caller's guarantee.
+        self.pool
+            .install(|| unsafe { matmul::matmul(x, w, m, n, k, dst, scratch, &self.team) });
+    }
+
     /// A backend running on `threads` threads (one per physical core when `None`).
     pub fn new(threads: Option<usize>) -> anyhow::Result<Self> {
         let threads = threads.unwrap_or_else(topology::default_threads);
@@ -282,20 +316,12 @@ impl Backend for CpuBackend {
             "matmul output too small"
         );
         assert_eq!(w.numel(), n * k, "weight is not [{n}, {k}]");
-        let weight = match w.dtype() {
-            DType::F32 => matmul::Weight::F32(w.f32()),
-            d => matmul::Weight::Bytes(d, w.bytes()),
-        };
         let dst = matmul::Dst {
             ptr: SendPtr(o[col_offset..].as_mut_ptr()),
             ld,
         };
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let scratch: &mut matmul::ActivationScratch = &mut guard;
         // SAFETY: `o` is borrowed mutably for the call and its size was checked above.
-        self.pool.install(|| unsafe {
-            matmul::matmul(&x.f32()[..m * k], weight, m, n, k, dst, scratch, &self.team)
-        });
+        unsafe { self.run_matmul(&x.f32()[..m * k], stacked_matrix(w, 0, n, k), m, n, k, dst) };
         if let Some(b) = bias {
             let b = &b.f32()[..n];
             for i in 0..m {

@@ -1,9 +1,9 @@
 //! A mixture of experts on the CPU: routing per row, then each expert's gated MLP over all
 //! the rows routed to it at once, so its weights are read once per step.
 
-use super::matmul::{self, Dst, Weight};
-use super::{CpuBackend, CpuBuffer, SendPtr};
-use crate::{DType, MoeShape};
+use super::matmul::{Dst, Weight};
+use super::{stacked_matrix, CpuBackend, CpuBuffer, SendPtr};
+use crate::MoeShape;
 
 /// Row `logits`' `k` experts and weights as [`crate::Backend::moe_route`] defines them:
 /// softmax over every expert, the `k` largest in descending order (the lower index first
@@ -33,17 +33,6 @@ pub(super) fn workspace_len(shape: MoeShape) -> usize {
     workspace_parts(shape).iter().sum()
 }
 
-/// Expert `e`'s matrix of `n` rows of `k` in a stack of such matrices.
-fn expert_matrix(w: &CpuBuffer, e: usize, n: usize, k: usize) -> Weight<'_> {
-    match w.dtype() {
-        DType::F32 => Weight::F32(&w.f32()[e * n * k..][..n * k]),
-        d => {
-            let len = d.bytes_for(n * k);
-            Weight::Bytes(d, &w.bytes()[e * len..][..len])
-        }
-    }
-}
-
 impl CpuBackend {
     /// `out = x · wᵀ` into the contiguous rows `out` (`[m, n]`).
     fn product(&self, x: &[f32], w: Weight<'_>, m: usize, n: usize, k: usize, out: &mut [f32]) {
@@ -52,11 +41,8 @@ impl CpuBackend {
             ptr: SendPtr(out.as_mut_ptr()),
             ld: n,
         };
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let scratch: &mut matmul::ActivationScratch = &mut guard;
         // SAFETY: `out` is borrowed mutably for the call and holds `m` rows of `n`.
-        self.pool
-            .install(|| unsafe { matmul::matmul(x, w, m, n, k, dst, scratch, &self.team) });
+        unsafe { self.run_matmul(x, w, m, n, k, dst) };
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -107,7 +93,7 @@ impl CpuBackend {
             for (dst, &s) in xs_buf.chunks_mut(d).zip(slots_of_e) {
                 dst.copy_from_slice(&x[s / k * d..][..d]);
             }
-            let w = expert_matrix(gate_up, e, 2 * f, d);
+            let w = stacked_matrix(gate_up, e, 2 * f, d);
             self.product(&xs_buf[..n * d], w, n, 2 * f, d, gu_buf);
             for (a, g) in act_buf.chunks_mut(f).zip(gu_buf.chunks(2 * f)).take(n) {
                 let (gate, up) = g.split_at(f);
@@ -115,7 +101,7 @@ impl CpuBackend {
                     *a = g / (1.0 + (-g).exp()) * u;
                 }
             }
-            let w = expert_matrix(down, e, d, f);
+            let w = stacked_matrix(down, e, d, f);
             self.product(&act_buf[..n * f], w, n, d, f, y_buf);
             for (src, &s) in y_buf.chunks(d).zip(slots_of_e) {
                 slot_out[s * d..][..d].copy_from_slice(src);
