@@ -1682,19 +1682,15 @@ pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
             if one_wins {
                 logits.chunks_mut(experts).for_each(|r| r[3] += 20.0);
             }
-            let route = |b: &dyn Fn(&mut G::Buffer, &mut G::Buffer)| {
-                let (mut ids, mut w) = (
-                    poisoned(g, DType::I32, slots),
-                    poisoned(g, DType::F32, slots),
-                );
-                b(&mut ids, &mut w);
-                (
-                    g.download_i32(&ids, slots).unwrap(),
-                    g.download_f32(&w, slots).unwrap(),
-                )
-            };
-            let (ids, weights) =
-                route(&|ids, w| g.moe_route(&up(g, &logits, DType::F32), shape, true, ids, w));
+            let (mut gids, mut gw) = (
+                poisoned(g, DType::I32, slots),
+                poisoned(g, DType::F32, slots),
+            );
+            g.moe_route(&up(g, &logits, DType::F32), shape, true, &mut gids, &mut gw);
+            let (ids, weights) = (
+                g.download_i32(&gids, slots).unwrap(),
+                g.download_f32(&gw, slots).unwrap(),
+            );
             let (mut cids, mut cw) = (
                 c.alloc(DType::I32, slots).unwrap(),
                 c.alloc(DType::F32, slots).unwrap(),
