@@ -701,8 +701,7 @@ pub trait Backend: Send + Sync {
     /// expert's down projection (`[experts, dim, ffn]`). The backend groups the slots by
     /// expert as it likes, so each expert's weights are read once for many of its rows. In
     /// a step of up to 64 rows (a decode batch) a row's result does not depend on the other
-    /// rows; larger steps may take products whose rounding differs (as the dense path's
-    /// prefill GEMMs do).
+    /// rows; the CUDA and wgpu backends keep that at every step size.
     #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,

@@ -54,7 +54,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 13] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 25] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -68,6 +68,18 @@ const KERNEL_DEFINITIONS: [(&str, usize); 13] = [
     ("MOE_WARPS", moe::WARPS),
     ("MOE_GATE_COLS", moe::GATE_COLS),
     ("MOE_DOWN_COLS", moe::DOWN_COLS),
+    ("MOE_ROUTE_WARPS", moe::ROUTE_WARPS),
+    ("MOE_MMA_BK", moe::MMA_BK),
+    ("MOE_SMALL_BM", moe::SMALL.slots),
+    ("MOE_SMALL_BN", moe::SMALL.rows),
+    ("MOE_SMALL_WM", moe::SMALL.warps.0),
+    ("MOE_SMALL_WN", moe::SMALL.warps.1),
+    ("MOE_SMALL_STAGES", moe::SMALL.stages),
+    ("MOE_LARGE_BM", moe::LARGE.slots),
+    ("MOE_LARGE_BN", moe::LARGE.rows),
+    ("MOE_LARGE_WM", moe::LARGE.warps.0),
+    ("MOE_LARGE_WN", moe::LARGE.warps.1),
+    ("MOE_LARGE_STAGES", moe::LARGE.stages),
 ];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;
@@ -144,8 +156,6 @@ pub struct CudaBackend {
     /// The first error an enqueued op raised, reported by the next `synchronize`.
     error: Mutex<Option<anyhow::Error>>,
     graphs: Mutex<HashMap<u64, Graph>>,
-    /// Whether ops are being captured into a CUDA graph, where nothing may be read back.
-    capturing: std::sync::atomic::AtomicBool,
     profiler: Mutex<Option<Profiler>>,
     name: String,
     sm_count: u32,
@@ -252,7 +262,6 @@ impl CudaBackend {
             tma_products: major >= 9,
             error: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
-            capturing: false.into(),
             profiler: Mutex::new(None),
             name,
             sm_count,
@@ -769,11 +778,7 @@ impl Backend for CudaBackend {
                 // Relaxed: kernels looked up for the first time during capture are fine.
                 self.stream
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-                self.capturing
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
                 record();
-                self.capturing
-                    .store(false, std::sync::atomic::Ordering::Relaxed);
                 let graph = self
                     .stream
                     .end_capture(CUgraphInstantiate_flags(0))
@@ -1305,17 +1310,7 @@ impl Backend for CudaBackend {
         ids: &mut CudaBuffer,
         weights: &mut CudaBuffer,
     ) {
-        let (l, e, k, rn, i, w) = (
-            logits.ptr,
-            shape.experts as i32,
-            shape.experts_per_token as i32,
-            renormalize as i32,
-            ids.ptr,
-            weights.ptr,
-        );
-        let threads = row_threads(shape.experts).min(256);
-        let shared = 4 * shape.experts as u32;
-        launch!(self, "moe_route".into(), label = "moe_route".into(), shared = shared, (shape.rows as u32, 1, 1), threads; l, e, k, rn, i, w);
+        self.route(logits, shape, renormalize, ids, weights);
     }
 
     fn moe_workspace_len(&self, shape: MoeShape) -> usize {

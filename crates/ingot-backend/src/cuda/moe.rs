@@ -1,17 +1,19 @@
 //! A mixture of experts on the GPU (moe.cu): the slots of a step (row, chosen expert) are
-//! grouped by expert on the device, then each expert's gated MLP runs over its group.
+//! grouped by expert on the device, then each expert's gated MLP runs over its group, and
+//! nothing is read back, so every step can be recorded in a CUDA graph.
 //!
-//! Two paths for the products. Decode steps and whatever runs inside a CUDA graph take the
-//! tile kernels: each expert's weights are read once per tile of up to [`TILE`] of its
-//! slots, f32 throughout, and nothing is read back. Larger steps outside a graph (prefill)
-//! read the group sizes back (one copy per layer) and run each expert's two products through
-//! cuBLASLt on tensor cores, with the gate/up product, activation and output rounded to the
-//! activation dtype as the dense MLP rounds them.
+//! Two kinds of product kernels, chosen by the model's dtype and widths alone, never by the
+//! step's size, so a row's result does not depend on the other rows of its step:
+//! - bf16/f16 experts whose widths are whole slabs of [`MMA_BK`] take the tensor-core
+//!   kernels (`moe_mma_*`): each expert's weights are read once per tile of [`SMALL`] or
+//!   [`LARGE`] of its slots (the tile shapes give the same bits), the gate/up product and
+//!   the activation rounded to the activation dtype as the dense MLP rounds them;
+//! - f32 experts and other widths take the tile kernels (`moe_gate_up_*`, `moe_down_*`):
+//!   f32 throughout, each expert's weights read once per [`TILE`] of its slots.
 
-use super::{gemm, row_threads, suffix, CudaBackend, CudaBuffer};
-use crate::MoeShape;
+use super::{row_threads, suffix, CudaBackend, CudaBuffer};
+use crate::{DType, MoeShape};
 use anyhow::Context;
-use std::sync::atomic::Ordering;
 
 /// Grouped slots per tile of the tile kernels (moe.cu's `MOE_TILE`).
 pub const TILE: usize = 8;
@@ -21,48 +23,130 @@ pub const WARPS: usize = 8;
 pub const GATE_COLS: usize = 2;
 /// Columns each warp of the down tile kernel computes (`MOE_DOWN_COLS`).
 pub const DOWN_COLS: usize = 4;
-/// Steps of at least this many rows take the cuBLASLt path where they may read back. A
-/// decode batch of 64 rows stays on the tile kernels, which read each expert once per 8 of
-/// its slots.
-pub const GEMM_MIN_ROWS: usize = 256;
+/// Rows `moe_route` routes per block, a warp each (`MOE_ROUTE_WARPS`).
+pub const ROUTE_WARPS: usize = 4;
+/// The k slab of the tensor-core kernels (`MOE_MMA_BK`): both widths must be multiples.
+pub const MMA_BK: usize = 64;
+
+/// A tile shape of the tensor-core kernels.
+pub struct MmaTile {
+    /// Grouped slots per tile (`BM`).
+    pub slots: usize,
+    /// Weight rows per block (`BN`; half gate, half up in the gate/up kernel).
+    pub rows: usize,
+    /// Warps along the slots and along the weight rows.
+    pub warps: (usize, usize),
+    /// Slabs of k in the ring of shared memory.
+    pub stages: usize,
+    name: &'static str,
+}
+
+/// Decode batches, where an expert gets a few slots: narrow blocks, a deep ring, so that
+/// many weight bytes are in flight with few blocks.
+pub const SMALL: MmaTile = MmaTile {
+    slots: 16,
+    rows: 32,
+    warps: (1, 2),
+    stages: 6,
+    name: "small",
+};
+/// Prefill, where an expert gets many slots.
+pub const LARGE: MmaTile = MmaTile {
+    slots: 64,
+    rows: 128,
+    warps: (2, 2),
+    stages: 3,
+    name: "large",
+};
+
+impl MmaTile {
+    /// The dynamic shared memory of a block: the ring of both operands' slabs, each row
+    /// padded by 8 elements.
+    fn shared_bytes(&self) -> u32 {
+        (self.stages * (self.slots + self.rows) * (MMA_BK + 8) * 2) as u32
+    }
+
+    fn threads(&self) -> u32 {
+        (32 * self.warps.0 * self.warps.1) as u32
+    }
+
+    /// The tile shape for a step: large tiles once an expert averages a small tile's slots.
+    fn for_step(shape: MoeShape) -> &'static MmaTile {
+        if shape.slots() >= SMALL.slots * shape.experts {
+            &LARGE
+        } else {
+            &SMALL
+        }
+    }
+}
+
+/// Whether experts of `dtype` and these widths run on the tensor-core kernels.
+fn on_tensor_cores(dtype: DType, shape: MoeShape) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+        && shape.dim.is_multiple_of(MMA_BK)
+        && shape.ffn.is_multiple_of(MMA_BK)
+}
+
+/// The most tiles of `tile` slots a step can have: every expert's last tile may be partial,
+/// and no tile is empty.
+fn max_tiles(shape: MoeShape, tile: usize) -> u32 {
+    let s = shape.slots();
+    u32::try_from(s.min(s.div_ceil(tile) + shape.experts)).expect("tiles fit the grid")
+}
 
 /// Where [`crate::Backend::moe_experts`]' intermediates lie in its workspace, in 4-byte
-/// words: each expert's first grouped slot and first tile, the slot at each grouped position
-/// and the grouped position of each slot, then the products' data (256-byte aligned).
+/// words: each expert's first grouped slot and first tile, the slot at each grouped
+/// position, then the activations (f32, or the 16-bit activation dtype, `[slots, ffn]` in
+/// grouped order) and the f32 outputs (`[slots, dim]` in slot order), 256-byte aligned.
 pub struct Workspace {
     offsets: usize,
     tile_offsets: usize,
     order: usize,
-    slot_pos: usize,
-    data: usize,
+    act: usize,
+    y: usize,
     pub len: usize,
-    /// The most tiles a step can have: every expert's last tile may be partial, and no
-    /// tile is empty.
-    max_tiles: usize,
 }
 
 impl Workspace {
     pub fn new(shape: MoeShape) -> Self {
         let (e, s) = (shape.experts, shape.slots());
         let order = 2 * (e + 1);
-        let data = (order + 2 * s).next_multiple_of(64);
-        // The tile path keeps f32 activations and outputs (s * (ffn + dim) words); the GEMM
-        // path the gathered rows (reused for the outputs), the gate/up product and the
-        // activations, at most 4 bytes an element.
-        let products = s * (shape.dim + 3 * shape.ffn);
+        let act = (order + s).next_multiple_of(64);
+        let y = (act + s * shape.ffn).next_multiple_of(64);
         Workspace {
             offsets: 0,
             tile_offsets: e + 1,
             order,
-            slot_pos: order + s,
-            data,
-            len: data + products,
-            max_tiles: s.min(s.div_ceil(TILE) + e),
+            act,
+            y,
+            len: y + s * shape.dim,
         }
     }
 }
 
 impl CudaBackend {
+    pub(super) fn route(
+        &self,
+        logits: &CudaBuffer,
+        shape: MoeShape,
+        renormalize: bool,
+        ids: &mut CudaBuffer,
+        weights: &mut CudaBuffer,
+    ) {
+        let (l, rows, e, k, rn, i, w) = (
+            logits.ptr,
+            shape.rows as i32,
+            shape.experts as i32,
+            shape.experts_per_token as i32,
+            renormalize as i32,
+            ids.ptr,
+            weights.ptr,
+        );
+        let blocks = shape.rows.div_ceil(ROUTE_WARPS) as u32;
+        let shared = (4 * ROUTE_WARPS * shape.experts) as u32;
+        launch!(self, "moe_route".into(), label = "moe_route".into(), shared = shared, (blocks, 1, 1), 32 * ROUTE_WARPS as u32; l, rows, e, k, rn, i, w);
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_experts(
         &self,
@@ -90,146 +174,43 @@ impl CudaBackend {
         let ws = Workspace::new(shape);
         assert!(workspace.numel >= ws.len, "MoE workspace too small");
         let at = |words: usize| workspace.ptr + 4 * words as u64;
-        let (offsets, tile_offsets, order, slot_pos) = (
+        let (offsets, tile_offsets, order, act, y) = (
             at(ws.offsets),
             at(ws.tile_offsets),
             at(ws.order),
-            at(ws.slot_pos),
+            at(ws.act),
+            at(ws.y),
         );
-        let (i, s, e) = (ids.ptr, slots as i32, shape.experts as i32);
+        let mma = on_tensor_cores(x.dtype, shape).then(|| MmaTile::for_step(shape));
+        let tile = mma.map_or(TILE, |m| m.slots);
+        let (i, s, e, t) = (ids.ptr, slots as i32, shape.experts as i32, tile as i32);
         let shared = 8 * shape.experts as u32;
-        launch!(self, "moe_group".into(), label = "moe_group".into(), shared = shared, (1, 1, 1), 1024; i, s, e, offsets, tile_offsets, order, slot_pos);
-        let capturing = self.capturing.load(Ordering::Relaxed);
-        if shape.rows >= GEMM_MIN_ROWS && !capturing {
-            self.experts_by_gemm(x, weights, shape, gate_up, down, workspace, &ws, out);
-            return;
-        }
+        launch!(self, "moe_group".into(), label = "moe_group".into(), shared = shared, (1, 1, 1), 1024; i, s, e, t, offsets, tile_offsets, order);
         let (k, dim, ffn) = (
             shape.experts_per_token as i32,
             shape.dim as i32,
             shape.ffn as i32,
         );
-        let (act, y) = (at(ws.data), at(ws.data + slots * shape.ffn));
-        let tiles = u32::try_from(ws.max_tiles).expect("tiles fit the grid");
+        let tiles = max_tiles(shape, tile);
         let sfx = suffix(x.dtype);
         let (xp, gu, dp) = (x.ptr, gate_up.ptr, down.ptr);
-        let threads = 32 * WARPS as u32;
-        let cols = shape.ffn.div_ceil(WARPS * GATE_COLS) as u32;
-        launch!(self, format!("moe_gate_up_{sfx}"), (cols, tiles, 1), threads; xp, gu, order, offsets, tile_offsets, e, k, dim, ffn, act);
-        let cols = shape.dim.div_ceil(WARPS * DOWN_COLS) as u32;
-        launch!(self, format!("moe_down_{sfx}"), (cols, tiles, 1), threads; act, dp, order, offsets, tile_offsets, e, dim, ffn, y);
+        match mma {
+            Some(m) => {
+                let (name, shared, threads) = (m.name, m.shared_bytes(), m.threads());
+                let cols = shape.ffn.div_ceil(m.rows / 2) as u32;
+                launch!(self, format!("moe_mma_gate_up_{name}_{sfx}"), label = format!("moe_mma_gate_up_{name}_{sfx}"), shared = shared, (cols, tiles, 1), threads; xp, gu, order, offsets, tile_offsets, e, k, dim, ffn, act);
+                let cols = shape.dim.div_ceil(m.rows) as u32;
+                launch!(self, format!("moe_mma_down_{name}_{sfx}"), label = format!("moe_mma_down_{name}_{sfx}"), shared = shared, (cols, tiles, 1), threads; act, dp, order, offsets, tile_offsets, e, dim, ffn, y);
+            }
+            None => {
+                let threads = 32 * WARPS as u32;
+                let cols = shape.ffn.div_ceil(WARPS * GATE_COLS) as u32;
+                launch!(self, format!("moe_gate_up_{sfx}"), (cols, tiles, 1), threads; xp, gu, order, offsets, tile_offsets, e, k, dim, ffn, act);
+                let cols = shape.dim.div_ceil(WARPS * DOWN_COLS) as u32;
+                launch!(self, format!("moe_down_{sfx}"), (cols, tiles, 1), threads; act, dp, order, offsets, tile_offsets, e, dim, ffn, y);
+            }
+        }
         let (w, o) = (weights.ptr, out.ptr);
-        launch!(self, format!("moe_combine_{sfx}"), (shape.rows as u32, 1, 1), row_threads(shape.dim).min(256); y, w, k, dim, o);
-    }
-
-    /// The cuBLASLt path: the rows gathered in grouped order, each expert's gate/up product
-    /// over its group, the SiLU·mul over all groups, each expert's down product, and each
-    /// row's weighted sum of its slots.
-    #[allow(clippy::too_many_arguments)]
-    fn experts_by_gemm(
-        &self,
-        x: &CudaBuffer,
-        weights: &CudaBuffer,
-        shape: MoeShape,
-        gate_up: &CudaBuffer,
-        down: &CudaBuffer,
-        workspace: &CudaBuffer,
-        ws: &Workspace,
-        out: &mut CudaBuffer,
-    ) {
-        let MoeShape {
-            rows,
-            experts,
-            experts_per_token,
-            dim,
-            ffn,
-        } = shape;
-        let slots = shape.slots();
-        let es = x.dtype.bytes_for(1) as u64;
-        let data = workspace.ptr + 4 * ws.data as u64;
-        // Gathered rows, then (once they are read) the outputs; the gate/up product; the
-        // activations.
-        let xs = data;
-        let gu = xs + es * (slots * dim) as u64;
-        let act = gu + es * (slots * 2 * ffn) as u64;
-        let sfx = suffix(x.dtype);
-        let (xp, order, k, d) = (
-            x.ptr,
-            workspace.ptr + 4 * ws.order as u64,
-            experts_per_token as i32,
-            dim as i32,
-        );
-        launch!(self, format!("moe_gather_{sfx}"), (slots as u32, 1, 1), row_threads(dim).min(256); xp, order, k, d, xs);
-        let offsets = match self
-            .read::<i32>(workspace, experts + 1)
-            .context("reading the experts' group sizes back")
-        {
-            Ok(o) => o,
-            Err(e) => return self.record(Err(e)),
-        };
-        let groups = || {
-            offsets
-                .windows(2)
-                .enumerate()
-                .filter(|(_, w)| w[1] > w[0])
-                .map(|(e, w)| (e as u64, w[0] as u64, (w[1] - w[0]) as usize))
-        };
-        for (e, first, n) in groups() {
-            let w = gate_up.ptr + es * e * (2 * ffn * dim) as u64;
-            let (xe, oe) = (
-                xs + es * first * dim as u64,
-                gu + es * first * (2 * ffn) as u64,
-            );
-            self.expert_product(x.dtype, n, 2 * ffn, dim, xe, w, oe);
-        }
-        let (rs, f) = (slots as i64, ffn as i32);
-        launch!(self, format!("silu_mul_{sfx}"), (self.grid_for(slots * ffn), 1, 1), 256; gu, rs, f, act);
-        let ys = xs;
-        for (e, first, n) in groups() {
-            let w = down.ptr + es * e * (dim * ffn) as u64;
-            let (ae, oe) = (act + es * first * ffn as u64, ys + es * first * dim as u64);
-            self.expert_product(x.dtype, n, dim, ffn, ae, w, oe);
-        }
-        let (probs, pos, o) = (weights.ptr, workspace.ptr + 4 * ws.slot_pos as u64, out.ptr);
-        launch!(self, format!("moe_combine_grouped_{sfx}"), (rows as u32, 1, 1), row_threads(dim).min(256); ys, probs, pos, k, d, o);
-    }
-
-    /// `out = x · wᵀ` through cuBLASLt for `m` contiguous rows, all operands in `dtype`
-    /// at raw device addresses.
-    #[allow(clippy::too_many_arguments)]
-    fn expert_product(
-        &self,
-        dtype: crate::DType,
-        m: usize,
-        n: usize,
-        k: usize,
-        x: u64,
-        w: u64,
-        out: u64,
-    ) {
-        let align = [x, w, out]
-            .iter()
-            .map(|p| 1usize << p.trailing_zeros().min(8))
-            .min()
-            .unwrap_or(1);
-        let shape = gemm::Shape {
-            x: dtype,
-            w: dtype,
-            out: dtype,
-            m,
-            n,
-            k,
-            ld: n,
-            bias: false,
-            accumulate: false,
-            align,
-        };
-        let stream = self.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
-        self.timed(&format!("moe expert matmul n{n} k{k}"), || {
-            let mut gemm = self.gemm.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: the workspace and the stacked weights hold these rows (sized by
-            // `Workspace::new` and checked at load).
-            unsafe { gemm.matmul(shape, x, w, None, out, stream) }.map(|_| ())
-        });
+        launch!(self, format!("moe_combine_{sfx}"), (shape.rows as u32, 1, 1), row_threads(dim as usize).min(256); y, w, k, dim, o);
     }
 }

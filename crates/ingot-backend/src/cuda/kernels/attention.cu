@@ -85,17 +85,6 @@ __device__ __forceinline__ SplitKeys split_keys(const int* query_start_loc, cons
     return k;
 }
 
-// 16 bytes from global to shared memory without passing through registers; zeros when
-// `valid` is false (nothing is read then).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(smem)),
-                 "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
 // Grid: (num_kv_heads * head groups of up to GMAX, rows, num_splits); WARPS warps.
 // The block streams its split's keys and values through shared memory in tiles of 64
 // bytes' worth of keys per row (cp.async, two stages, so one tile loads while the last

@@ -29,6 +29,14 @@ template <> __device__ __forceinline__ f16 from_f32<f16>(float x) {
     return r;
 }
 
+// The 8 16-bit elements of a 16-byte vector, as f32.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = to_f32(e[i]);
+}
+
 // Rounds through T and back: the value a store to a T buffer keeps.
 template <typename T> __device__ __forceinline__ float round_to(float x) {
     return to_f32(from_f32<T>(x));
@@ -44,6 +52,19 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// The larger value across the warp, the lower index on ties, in every lane.
+__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, best, o);
+        const int j = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (v > best || (v == best && j < idx)) {
+            best = v;
+            idx = j;
+        }
+    }
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every
@@ -96,6 +117,17 @@ __device__ __forceinline__ u32 smem_address(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
+}
+
+// 16 bytes from global to shared memory without passing through registers; zeros when
+// `valid` is false (nothing is read then).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(smem)),
+                 "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
 // Tensor-core helpers (mma.sync, sm_80 and later), shared by attention and the products.

@@ -18,13 +18,6 @@
 #define THREADS 256
 #define SILU_COLS_M1 8
 
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; i++) f[i] = to_f32(e[i]);
-}
-
 // 8 elements of row r of the input at column kk. With SILU the input holds rows of
 // [gate | up], 2k wide, and the value is silu(gate) * up rounded to T, as silu_mul writes it.
 template <typename T, bool SILU>

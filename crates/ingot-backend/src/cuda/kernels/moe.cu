@@ -11,10 +11,7 @@
 // MOE_TILE, MOE_WARPS, MOE_GATE_COLS and MOE_DOWN_COLS come from the backend (cuda/moe.rs).
 
 template <typename T> __device__ __forceinline__ void load8(const T* p, float* f) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; i++) f[i] = to_f32(e[i]);
+    unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
 }
 template <> __device__ __forceinline__ void load8<float>(const float* p, float* f) {
     const float4 a = *reinterpret_cast<const float4*>(p);
@@ -25,99 +22,64 @@ template <> __device__ __forceinline__ void load8<float>(const float* p, float* 
 
 // 8 weights, streamed past L1 as the GEMV streams them (the tile's inputs stay cached).
 template <typename T> __device__ __forceinline__ void load8_weights(const T* p, float* f) {
-    const uint4 v = load_streamed(p);
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; i++) f[i] = to_f32(e[i]);
+    unpack8<T>(load_streamed(p), f);
 }
 template <> __device__ __forceinline__ void load8_weights<float>(const float* p, float* f) {
     load8<float>(p, f);
 }
 
-// Keeps the larger value, the lower index among equals.
-__device__ __forceinline__ void keep_better(float& v, int& i, float v2, int i2) {
-    if (v2 > v || (v2 == v && i2 < i)) {
-        v = v2;
-        i = i2;
-    }
-}
-
-// The block's largest (value, index), the lower index among equals, to every thread.
-__device__ __forceinline__ void block_argmax(float& v, int& i) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        keep_better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) {
-        sv[warp] = v;
-        si[warp] = i;
-    }
-    __syncthreads();
-    const int warps = blockDim.x >> 5;
-    v = lane < warps ? sv[lane] : -1.0f;
-    i = lane < warps ? si[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        keep_better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
-}
-
-__device__ __forceinline__ float block_max(float v) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    const int warps = blockDim.x >> 5;
-    return warp_max(lane < warps ? partial[lane] : NEG_INF);
-}
-
-// Grid: one block per row; `experts` floats of dynamic shared memory. Softmax over the
-// experts, the k largest probabilities in descending order (compared as the CPU compares
-// them, so logits that round to one probability tie; the lower index first), rescaled to
-// sum to 1 where `renormalize`.
-extern "C" __global__ void moe_route(const float* logits, int experts, int k, int renormalize,
-                                     int* ids, float* probs) {
+// Grid: ceil(rows / MOE_ROUTE_WARPS) blocks of MOE_ROUTE_WARPS warps, one warp a row;
+// MOE_ROUTE_WARPS * experts floats of dynamic shared memory. Softmax over the experts, the
+// k largest probabilities in descending order (compared as the CPU compares them, so logits
+// that round to one probability tie; the lower index first), rescaled to sum to 1 where
+// `renormalize`. A warp a row needs no block-wide barrier between the k choices.
+extern "C" __global__ void moe_route(const float* logits, int rows, int experts, int k,
+                                     int renormalize, int* ids, float* probs) {
     await_previous_kernel();
-    extern __shared__ float p[];
-    const long long r = blockIdx.x;
+    extern __shared__ float route_shared[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * MOE_ROUTE_WARPS + warp;
+    if (r >= rows) return;
+    float* p = route_shared + warp * experts;
     const float* l = logits + r * experts;
     float m = NEG_INF;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, l[e]);
-    m = block_max(m);
+    for (int e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
+    m = warp_max(m);
     float s = 0.0f;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    for (int e = lane; e < experts; e += 32) {
         p[e] = expf(l[e] - m);
         s += p[e];
     }
-    const float sum = block_sum(s);
+    const float sum = warp_sum(s);
+    __syncwarp();
     float chosen = 0.0f;
     for (int j = 0; j < k; j++) {
         float v = -1.0f;
         int i = 0x7fffffff;
-        for (int e = threadIdx.x; e < experts; e += blockDim.x) keep_better(v, i, p[e], e);
-        block_argmax(v, i);
+        for (int e = lane; e < experts; e += 32)
+            if (p[e] > v) {
+                v = p[e];
+                i = e;
+            }
+        warp_argmax(v, i);
         chosen += v / sum;
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
             ids[r * k + j] = i;
             probs[r * k + j] = v / sum;
             p[i] = -1.0f;
         }
-        __syncthreads();
+        __syncwarp();
     }
     if (renormalize)
-        for (int j = threadIdx.x; j < k; j += blockDim.x) probs[r * k + j] /= chosen;
+        for (int j = lane; j < k; j += 32) probs[r * k + j] /= chosen;
 }
 
 // One block; 2 * experts ints of dynamic shared memory. Counts each expert's slots, lays
 // the groups out in expert order (offsets, and tile_offsets: where each expert's tiles of
-// MOE_TILE slots start in the grid), and places every slot in its group (order: the slot
-// at each grouped position; slot_pos: the grouped position of each slot).
-extern "C" __global__ void moe_group(const int* ids, int slots, int experts, int* offsets,
-                                     int* tile_offsets, int* order, int* slot_pos) {
+// `tile` slots start in the grid), and places every slot in its group (order: the slot at
+// each grouped position).
+extern "C" __global__ void moe_group(const int* ids, int slots, int experts, int tile,
+                                     int* offsets, int* tile_offsets, int* order) {
     await_previous_kernel();
     extern __shared__ int counts[];
     int* cursor = counts + experts;
@@ -132,23 +94,21 @@ extern "C" __global__ void moe_group(const int* ids, int slots, int experts, int
             tile_offsets[e] = tiles;
             cursor[e] = at;
             at += counts[e];
-            tiles += (counts[e] + MOE_TILE - 1) / MOE_TILE;
+            tiles += (counts[e] + tile - 1) / tile;
         }
         offsets[experts] = at;
         tile_offsets[experts] = tiles;
     }
     __syncthreads();
     for (int s = threadIdx.x; s < slots; s += blockDim.x) {
-        const int g = atomicAdd(&cursor[ids[s]], 1);
-        order[g] = s;
-        slot_pos[s] = g;
+        order[atomicAdd(&cursor[ids[s]], 1)] = s;
     }
 }
 
-// The expert and the grouped slots [first, first + n) of tile blockIdx.y; false past the
-// step's last tile.
+// The expert and the grouped slots [first, first + n) of tile blockIdx.y (tiles of `tile`
+// slots, as moe_group laid them out); false past the step's last tile.
 __device__ __forceinline__ bool moe_tile(const int* offsets, const int* tile_offsets, int experts,
-                                         int& e, int& first, int& n) {
+                                         int tile, int& e, int& first, int& n) {
     const int t = blockIdx.y;
     if (t >= tile_offsets[experts]) return false;
     // The last expert whose tiles start at or before t (empty experts start where the next
@@ -159,8 +119,8 @@ __device__ __forceinline__ bool moe_tile(const int* offsets, const int* tile_off
         if (tile_offsets[mid] <= t) lo = mid; else hi = mid - 1;
     }
     e = lo;
-    first = offsets[e] + (t - tile_offsets[e]) * MOE_TILE;
-    n = min(MOE_TILE, offsets[e + 1] - first);
+    first = offsets[e] + (t - tile_offsets[e]) * tile;
+    n = min(tile, offsets[e + 1] - first);
     return true;
 }
 
@@ -220,7 +180,7 @@ __device__ void moe_gate_up(const T* x, const T* w, const int* order, const int*
                             float* act) {
     constexpr int C = MOE_GATE_COLS;
     int e, first, n;
-    if (!moe_tile(offsets, tile_offsets, experts, e, first, n)) return;
+    if (!moe_tile(offsets, tile_offsets, experts, MOE_TILE, e, first, n)) return;
     const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * C;
     if (j0 >= ffn) return;
     const T* xr[MOE_TILE];
@@ -255,7 +215,7 @@ __device__ void moe_down(const float* act, const T* w, const int* order, const i
                          const int* tile_offsets, int experts, int dim, int ffn, float* y) {
     constexpr int C = MOE_DOWN_COLS;
     int e, first, n;
-    if (!moe_tile(offsets, tile_offsets, experts, e, first, n)) return;
+    if (!moe_tile(offsets, tile_offsets, experts, MOE_TILE, e, first, n)) return;
     const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * C;
     if (j0 >= dim) return;
     const float* ar[MOE_TILE];
@@ -286,27 +246,169 @@ __device__ void moe_combine(const float* y, const float* probs, int k, int dim, 
     }
 }
 
-// The grouped-GEMM path's ends. Grid: one block per grouped slot g: xs[g] = x[order[g] / k].
-template <typename T>
-__device__ void moe_gather(const T* x, const int* order, int k, int dim, T* xs) {
-    const long long g = blockIdx.x;
-    const T* src = x + (long long)(order[g] / k) * dim;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) xs[g * dim + j] = src[j];
+// Grouped products on tensor cores (16-bit weights): each block multiplies one tile of an
+// expert's grouped slots, BM of them, by BN of the expert's weight rows over the whole of
+// k, with m16n8k16 mma.sync and f32 sums. Both operands stream through shared memory in
+// slabs of MOE_MMA_BK along k (cp.async, a ring of STAGES slabs), rows padded by 16 bytes
+// so that the 8 rows × 4 lanes of a fragment load meet 32 different banks. WM × WN warps:
+// WM along the slots and WN along the weight rows. The k order of every sum is fixed (slabs
+// in order, 16 at a time), so a slot's output is the same bits whatever tile shape or
+// other slots share its block.
+//
+// GATE: the gate/up product with the SiLU·mul in its epilogue. The block's weight rows are
+// BN / 2 gate rows and the up rows of the same columns, and each warp's fragments hold both
+// halves of its columns, so act = silu(gate) * up is formed in registers, each product
+// rounded to T as the dense MLP's product and silu_mul round them; act is written in
+// grouped order. Otherwise the down product, whose f32 outputs go to their slots.
+template <typename T, int BM, int BN, int WM, int WN, int STAGES, bool GATE>
+__device__ void moe_mma(const T* a, const T* w, const int* order, const int* offsets,
+                        const int* tile_offsets, int experts, int k_route, int len, int n_out,
+                        void* out) {
+    constexpr int BK = MOE_MMA_BK, LD = BK + 8, THREADS = 32 * WM * WN, PIECES = BK / 8;
+    constexpr int MI = BM / 16 / WM, NI = BN / 8 / WN;
+    static_assert(MI * 16 * WM == BM && NI * 8 * WN == BN && (!GATE || NI % 2 == 0), "tile shape");
+    extern __shared__ __align__(16) unsigned char mma_shared[];
+    T* as = reinterpret_cast<T*>(mma_shared);  // [STAGES][BM][LD]
+    T* ws = as + STAGES * BM * LD;              // [STAGES][BN][LD]
+    __shared__ const T* arow[BM];
+    __shared__ const T* wrow[BN];
+    int e, first, n;
+    if (!moe_tile(offsets, tile_offsets, experts, BM, e, first, n)) return;
+    constexpr int COLS = GATE ? BN / 2 : BN;
+    const int j0 = blockIdx.x * COLS;
+    if (j0 >= n_out) return;
+    // Columns past n_out read the last valid one again and are not stored.
+    for (int r = threadIdx.x; r < BM; r += THREADS) {
+        const int g = first + min(r, n - 1);
+        arow[r] = a + (long long)(GATE ? order[g] / k_route : g) * len;
+    }
+    const long long rows_per_expert = GATE ? 2LL * n_out : n_out;
+    for (int c = threadIdx.x; c < BN; c += THREADS) {
+        const int j = min(j0 + (GATE && c >= COLS ? c - COLS : c), n_out - 1);
+        wrow[c] = w + (e * rows_per_expert + (GATE && c >= COLS ? n_out + j : j)) * len;
+    }
+    __syncthreads();
+    // Rows past the tile's slots are zeros, read from nowhere.
+    auto load = [&](int stage, int kk) {
+        for (int i = threadIdx.x; i < BM * PIECES; i += THREADS)
+            cp_async16(as + (stage * BM + i / PIECES) * LD + i % PIECES * 8,
+                       arow[i / PIECES] + kk + i % PIECES * 8, i / PIECES < n);
+        for (int i = threadIdx.x; i < BN * PIECES; i += THREADS)
+            cp_async16(ws + (stage * BN + i / PIECES) * LD + i % PIECES * 8,
+                       wrow[i / PIECES] + kk + i % PIECES * 8, true);
+    };
+    const int steps = len / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < steps) load(s, s * BK);
+        cp_async_commit();
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp / WN, wn = warp % WN;
+    // The shared weight row of n-tile ni's lane g: with GATE, the first NI / 2 tiles are gate
+    // rows and the rest the up rows of the same columns.
+    auto wtile_row = [&](int ni) {
+        if (GATE) {
+            constexpr int H = NI / 2;
+            return (ni < H ? 0 : COLS) + wn * H * 8 + (ni % H) * 8 + g;
+        }
+        return wn * NI * 8 + ni * 8 + g;
+    };
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
+    for (int s = 0; s < steps; s++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (s + STAGES - 1 < steps) load((s + STAGES - 1) % STAGES, (s + STAGES - 1) * BK);
+        cp_async_commit();
+        const T* at = as + (s % STAGES) * BM * LD;
+        const T* wt = ws + (s % STAGES) * BN * LD;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            u32 af[MI][4];
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                const T* p = at + ((wm * MI + i) * 16 + g) * LD + kk + 2 * t;
+                af[i][0] = *reinterpret_cast<const u32*>(p);
+                af[i][1] = *reinterpret_cast<const u32*>(p + 8 * LD);
+                af[i][2] = *reinterpret_cast<const u32*>(p + 8);
+                af[i][3] = *reinterpret_cast<const u32*>(p + 8 * LD + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < NI; j++) {
+                const T* q = wt + wtile_row(j) * LD + kk + 2 * t;
+                const u32 b0 = *reinterpret_cast<const u32*>(q);
+                const u32 b1 = *reinterpret_cast<const u32*>(q + 8);
+#pragma unroll
+                for (int i = 0; i < MI; i++) mma16816<T>(acc[i][j], af[i], b0, b1);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    // acc[i][j]: slots (wm * MI + i) * 16 + g (+ 8 in elements 2 and 3), columns 2t, 2t + 1.
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = (wm * MI + i) * 16 + g + 8 * h;
+            if (r >= n) continue;
+            if (GATE) {
+                T* act = reinterpret_cast<T*>(out) + (long long)(first + r) * n_out;
+#pragma unroll
+                for (int j = 0; j < NI / 2; j++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const int col = j0 + wn * NI / 2 * 8 + j * 8 + 2 * t + c;
+                        if (col >= n_out) continue;
+                        const float gate = round_to<T>(acc[i][j][2 * h + c]);
+                        const float up = round_to<T>(acc[i][j + NI / 2][2 * h + c]);
+                        act[col] = from_f32<T>(gate / (1.0f + expf(-gate)) * up);
+                    }
+            } else {
+                float* y = reinterpret_cast<float*>(out) + (long long)order[first + r] * n_out;
+#pragma unroll
+                for (int j = 0; j < NI; j++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const int col = j0 + wn * NI * 8 + j * 8 + 2 * t + c;
+                        if (col < n_out) y[col] = acc[i][j][2 * h + c];
+                    }
+            }
+        }
 }
 
-// Grid: one block per row. out[r, j] = Σ_i probs[s] · ys[slot_pos[s], j] over the row's
-// slots s = r * k + i, in slot order, ys in grouped order.
-template <typename T>
-__device__ void moe_combine_grouped(const T* ys, const float* probs, const int* slot_pos, int k,
-                                    int dim, T* out) {
-    const long long r = blockIdx.x;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) {
-        float acc = 0.0f;
-        for (int i = 0; i < k; i++)
-            acc += probs[r * k + i] * to_f32(ys[(long long)slot_pos[r * k + i] * dim + j]);
-        out[r * dim + j] = from_f32<T>(acc);
+// Grid: (ceil(ffn / (BN / 2)), tiles of BM slots); 32 * WM * WN threads, the shared
+// memory cuda/moe.rs computes. x rows are the slots' rows (slot / k); act [slots, ffn] in T.
+// Grid: (ceil(dim / BN), tiles); act [slots, ffn] in grouped order, y [slots, dim] f32.
+#define MOE_MMA(T, S, SIZE, BM, BN, WM, WN, STAGES)                                                \
+    extern "C" __global__ void __launch_bounds__(32 * WM * WN) moe_mma_gate_up_##SIZE##_##S(       \
+        const T* x, const T* w, const int* order, const int* offsets, const int* tile_offsets,    \
+        int experts, int k, int dim, int ffn, T* act) {                                            \
+        await_previous_kernel();                                                                   \
+        moe_mma<T, BM, BN, WM, WN, STAGES, true>(x, w, order, offsets, tile_offsets, experts, k,   \
+                                                 dim, ffn, act);                                   \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * WM * WN) moe_mma_down_##SIZE##_##S(          \
+        const T* act, const T* w, const int* order, const int* offsets, const int* tile_offsets,  \
+        int experts, int dim, int ffn, float* y) {                                                 \
+        await_previous_kernel();                                                                   \
+        moe_mma<T, BM, BN, WM, WN, STAGES, false>(act, w, order, offsets, tile_offsets, experts,   \
+                                                  0, ffn, dim, y);                                 \
     }
-}
+
+MOE_MMA(bf16, bf16, small, MOE_SMALL_BM, MOE_SMALL_BN, MOE_SMALL_WM, MOE_SMALL_WN,
+        MOE_SMALL_STAGES)
+MOE_MMA(f16, f16, small, MOE_SMALL_BM, MOE_SMALL_BN, MOE_SMALL_WM, MOE_SMALL_WN,
+        MOE_SMALL_STAGES)
+MOE_MMA(bf16, bf16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_WN,
+        MOE_LARGE_STAGES)
+MOE_MMA(f16, f16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_WN,
+        MOE_LARGE_STAGES)
 
 #define MOE(T, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##S(                     \
@@ -325,16 +427,6 @@ __device__ void moe_combine_grouped(const T* ys, const float* probs, const int* 
                                                T* out) {                                           \
         await_previous_kernel();                                                                   \
         moe_combine<T>(y, probs, k, dim, out);                                                     \
-    }                                                                                              \
-    extern "C" __global__ void moe_gather_##S(const T* x, const int* order, int k, int dim,       \
-                                              T* xs) {                                             \
-        await_previous_kernel();                                                                   \
-        moe_gather<T>(x, order, k, dim, xs);                                                       \
-    }                                                                                              \
-    extern "C" __global__ void moe_combine_grouped_##S(const T* ys, const float* probs,           \
-                                                       const int* pos, int k, int dim, T* out) {   \
-        await_previous_kernel();                                                                   \
-        moe_combine_grouped<T>(ys, probs, pos, k, dim, out);                                       \
     }
 
 MOE(float, f32)

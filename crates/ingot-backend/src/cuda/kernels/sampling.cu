@@ -1,18 +1,5 @@
 // Token selection on the device, so a step sends back token ids instead of logits.
 
-// The larger value across the warp, the lower index on ties, in every lane.
-__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffffu, best, o);
-        const int j = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (v > best || (v == best && j < idx)) {
-            best = v;
-            idx = j;
-        }
-    }
-}
-
 // A row is read by one block; to keep enough loads in flight from one SM, each thread
 // issues ROW_UNROLL loads before using them.
 #define ROW_UNROLL 16
