@@ -137,6 +137,9 @@ impl CudaBuffer {
 struct Profiler {
     pending: Vec<(String, CudaEvent, CudaEvent)>,
     totals: HashMap<String, (u64, f64)>,
+    /// Per step size (rows) of a mixture of experts' layers: the layers run, the experts
+    /// they touched in all, and the experts a layer has (the expert bytes a step reads).
+    experts_touched: std::collections::BTreeMap<usize, (u64, u64, usize)>,
 }
 
 /// A captured step, replayed on the backend's stream.
@@ -815,6 +818,13 @@ impl Backend for CudaBackend {
             })
             .unwrap_or_default();
         ops.sort_by(|a, b| b.2.total_cmp(&a.2));
+        for (rows, &(layers, touched, experts)) in profiler.iter().flat_map(|p| &p.experts_touched)
+        {
+            tracing::info!(
+                "steps of {rows} rows: a mixture-of-experts layer touched {:.1} of its {experts} experts on average ({layers} layers)",
+                touched as f64 / layers as f64
+            );
+        }
         ops
     }
 

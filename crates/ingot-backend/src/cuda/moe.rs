@@ -147,6 +147,30 @@ impl CudaBackend {
         launch!(self, "moe_route".into(), label = "moe_route".into(), shared = shared, (blocks, 1, 1), 32 * ROUTE_WARPS as u32; l, rows, e, k, rn, i, w);
     }
 
+    /// While ops are profiled (run eagerly and waited for one by one anyway), counts the
+    /// experts the step's slots touch, from the group offsets `moe_group` wrote at the
+    /// workspace's start: the expert bytes a decode step reads, for its roofline.
+    fn count_touched_experts(&self, workspace: &CudaBuffer, shape: MoeShape) {
+        if self
+            .profiler
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+        {
+            return;
+        }
+        let offsets = match self.read::<i32>(workspace, shape.experts + 1) {
+            Ok(o) => o,
+            Err(e) => return self.record(Err(e.context("reading the experts' groups back"))),
+        };
+        let touched = offsets.windows(2).filter(|w| w[1] > w[0]).count() as u64;
+        let mut profiler = self.profiler.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = profiler.as_mut() {
+            let t = p.experts_touched.entry(shape.rows).or_default();
+            *t = (t.0 + 1, t.1 + touched, shape.experts);
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_experts(
         &self,
@@ -186,6 +210,7 @@ impl CudaBackend {
         let (i, s, e, t) = (ids.ptr, slots as i32, shape.experts as i32, tile as i32);
         let shared = 8 * shape.experts as u32;
         launch!(self, "moe_group".into(), label = "moe_group".into(), shared = shared, (1, 1, 1), 1024; i, s, e, t, offsets, tile_offsets, order);
+        self.count_touched_experts(workspace, shape);
         let (k, dim, ffn) = (
             shape.experts_per_token as i32,
             shape.dim as i32,
