@@ -54,7 +54,7 @@ pub const SMALL: MmaTile = MmaTile {
 pub const LARGE: MmaTile = MmaTile {
     slots: 64,
     rows: 128,
-    warps: (2, 2),
+    warps: (2, 4),
     stages: 3,
     name: "large",
 };
