@@ -236,6 +236,6 @@ impl CudaBackend {
             }
         }
         let (w, o) = (weights.ptr, out.ptr);
-        launch!(self, format!("moe_combine_{sfx}"), (shape.rows as u32, 1, 1), row_threads(dim as usize).min(256); y, w, k, dim, o);
+        launch!(self, format!("moe_combine_{sfx}"), (shape.rows as u32, 1, 1), row_threads(shape.dim).min(256); y, w, k, dim, o);
     }
 }

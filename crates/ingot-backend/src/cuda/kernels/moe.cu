@@ -5,10 +5,11 @@
 // Every slot's output is its own f32 dot products in a fixed order along k, whichever tile
 // it lands in, so the grouping (placed with atomics: the order of slots inside an expert's
 // group may vary from run to run) changes no result bit, and a row's output does not depend
-// on the other rows of its step. Each expert's weights are read once per tile of up to
-// MOE_TILE of its slots: once per step at decode batch sizes where an expert gets few slots.
+// on the other rows of its step. Each expert's weights are read once per tile of its slots
+// (MOE_TILE for the f32 tile kernels, MOE_SMALL_BM or MOE_LARGE_BM for the tensor-core
+// ones): once per step at decode batch sizes where an expert gets few slots.
 
-// MOE_TILE, MOE_WARPS, MOE_GATE_COLS and MOE_DOWN_COLS come from the backend (cuda/moe.rs).
+// The MOE_* constants come from the backend (cuda/moe.rs).
 
 template <typename T> __device__ __forceinline__ void load8(const T* p, float* f) {
     unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
@@ -277,7 +278,8 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
     constexpr int COLS = GATE ? BN / 2 : BN;
     const int j0 = blockIdx.x * COLS;
     if (j0 >= n_out) return;
-    // Columns past n_out read the last valid one again and are not stored.
+    // Rows past the tile's slots point at its last slot (they are zero-filled, not read);
+    // columns past n_out read the last valid one again and are not stored.
     for (int r = threadIdx.x; r < BM; r += THREADS) {
         const int g = first + min(r, n - 1);
         arow[r] = a + (long long)(GATE ? order[g] / k_route : g) * len;
@@ -288,7 +290,6 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
         wrow[c] = w + (e * rows_per_expert + (GATE && c >= COLS ? n_out + j : j)) * len;
     }
     __syncthreads();
-    // Rows past the tile's slots are zeros, read from nowhere.
     auto load = [&](int stage, int kk) {
         for (int i = threadIdx.x; i < BM * PIECES; i += THREADS)
             cp_async16(as + (stage * BM + i / PIECES) * LD + i % PIECES * 8,
