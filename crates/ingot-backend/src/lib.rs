@@ -486,6 +486,22 @@ pub trait Backend: Send + Sync {
         self.kv_write(qkv, layout, slot_mapping, rows, cache, k_cache, v_cache);
     }
 
+    /// [`Backend::qk_norm`] then [`Backend::rope_kv_write`] (Qwen3's attention input), with
+    /// the same results. GPUs fuse them where a step is a decode batch.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_kv_write(
+        &self,
+        qkv: &mut Self::Buffer,
+        rows: usize,
+        q_weight: &Self::Buffer,
+        k_weight: &Self::Buffer,
+        eps: f32,
+        rope: RopeKvWrite<'_, Self>,
+    ) {
+        self.qk_norm(qkv, rope.layout, rows, q_weight, k_weight, eps);
+        rope.apply(self, qkv, rows);
+    }
+
     /// `out = (silu(gate) * up) · wᵀ` for `gate_up` rows of `[gate | up]`, each `ffn` wide:
     /// [`Backend::silu_mul`] into `act` then [`Backend::matmul`]. GPUs can feed the product
     /// to the matmul without writing `act`.
@@ -696,12 +712,14 @@ pub trait Backend: Send + Sync {
 
     /// A mixture of experts' output, `out[r] = Σ_j weights[s] · expert_e(x[r])` over row
     /// `r`'s slots `s = r * experts_per_token + j` with `e = ids[s]`, summed in f32 in slot
-    /// order, where `expert_e(x) = down_e · (silu(gate_e · x) * (up_e · x))`. `gate_up`
-    /// stacks every expert's `[gate; up]` (`[experts, 2 * ffn, dim]`) and `down` every
-    /// expert's down projection (`[experts, dim, ffn]`). The backend groups the slots by
-    /// expert as it likes, so each expert's weights are read once for many of its rows. In
-    /// a step of up to 64 rows (a decode batch) a row's result does not depend on the other
-    /// rows; the CUDA and wgpu backends keep that at every step size.
+    /// order, where `expert_e(x) = down_e · (silu(gate_e · x) * (up_e · x))`; where `add`,
+    /// the sum, rounded to the activation dtype, is added to what `out` holds (the residual
+    /// connection, as a product and an add would round it). `gate_up` stacks every expert's
+    /// `[gate; up]` (`[experts, 2 * ffn, dim]`) and `down` every expert's down projection
+    /// (`[experts, dim, ffn]`). The backend groups the slots by expert as it likes, so each
+    /// expert's weights are read once for many of its rows. In a step of up to 64 rows (a
+    /// decode batch) a row's result does not depend on the other rows; the CUDA and wgpu
+    /// backends keep that at every step size.
     #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,
@@ -713,5 +731,29 @@ pub trait Backend: Send + Sync {
         down: &Self::Buffer,
         workspace: &mut Self::Buffer,
         out: &mut Self::Buffer,
+        add: bool,
     );
+
+    /// A mixture of experts' layer from its router's f32 `logits`: [`Backend::moe_route`]
+    /// into `ids` and `weights`, then [`Backend::moe_experts`], with the same results. A
+    /// backend may fuse the two where a step is small (CUDA routes inside its expert kernels
+    /// at decode batch sizes, with the same bits as the separate ops).
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &self,
+        x: &Self::Buffer,
+        logits: &Self::Buffer,
+        shape: MoeShape,
+        renormalize: bool,
+        gate_up: &Self::Buffer,
+        down: &Self::Buffer,
+        ids: &mut Self::Buffer,
+        weights: &mut Self::Buffer,
+        workspace: &mut Self::Buffer,
+        out: &mut Self::Buffer,
+        add: bool,
+    ) {
+        self.moe_route(logits, shape, renormalize, ids, weights);
+        self.moe_experts(x, ids, weights, shape, gate_up, down, workspace, out, add);
+    }
 }

@@ -683,6 +683,7 @@ fn moe_experts_equal_each_rows_experts_through_matmul() {
                 &down,
                 &mut ws,
                 &mut out,
+                false,
             );
             let got = b.download_f32(&out, rows * dim).unwrap();
             let (gu_rows, down_rows) = (dtype.bytes_for(2 * ffn * dim), dtype.bytes_for(dim * ffn));

@@ -278,10 +278,13 @@ impl<B: Backend> Model<B> {
                         }
                         None => layer.qkv.forward(b, &a.normed, t, &mut a.qkv),
                     }
-                    if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                        b.qk_norm(&mut a.qkv, layout, t, qn, kn, cfg.rms_norm_eps);
+                    match (&layer.q_norm, &layer.k_norm) {
+                        (Some(qn), Some(kn)) => {
+                            let eps = cfg.rms_norm_eps;
+                            b.qk_norm_rope_kv_write(&mut a.qkv, t, qn, kn, eps, rope);
+                        }
+                        _ => rope.apply(b, &mut a.qkv, t),
                     }
-                    rope.apply(b, &mut a.qkv, t);
                 }
             }
             b.paged_attention(

@@ -2,10 +2,11 @@
 //! transformers picks them), each expert's gated MLP runs over the tokens routed to it, and
 //! every token sums its experts' outputs by their weights.
 //!
-//! Three backend ops, with nothing read back: the router's product into f32 logits (so
-//! near-tied experts are told apart as in f32 whatever the activation dtype),
-//! [`Backend::moe_route`] and [`Backend::moe_experts`], which groups the tokens by expert
-//! on the device. A decode step of a mixture is therefore as recordable as a dense one.
+//! Two backend ops, with nothing read back: the router's product into f32 logits (so
+//! near-tied experts are told apart as in f32 whatever the activation dtype), and
+//! [`Backend::moe`], which routes, groups the tokens by expert on the device and adds the
+//! experts' weighted sum into the residual stream. A decode step of a mixture is therefore
+//! as recordable as a dense one.
 
 use crate::weights::Linear;
 use anyhow::Result;
@@ -57,7 +58,8 @@ impl<B: Backend> MoeBuffers<B> {
 
 impl<B: Backend> MoeWeights<B> {
     /// `out[:rows] = Σ_e w_e · expert_e(x)` over each row's chosen experts, for rows `x`
-    /// (`[rows, hidden]`, normed).
+    /// (`[rows, hidden]`, normed); where `add`, the sum is added to `out` (the residual
+    /// stream).
     pub fn forward(
         &self,
         b: &B,
@@ -65,6 +67,7 @@ impl<B: Backend> MoeWeights<B> {
         rows: usize,
         buf: &mut MoeBuffers<B>,
         out: &mut B::Buffer,
+        add: bool,
     ) {
         let shape = MoeShape {
             rows,
@@ -74,22 +77,18 @@ impl<B: Backend> MoeWeights<B> {
             ffn: self.ffn,
         };
         self.router.forward(b, x, rows, &mut buf.logits);
-        b.moe_route(
+        b.moe(
+            x,
             &buf.logits,
             shape,
             self.renormalize,
-            &mut buf.ids,
-            &mut buf.weights,
-        );
-        b.moe_experts(
-            x,
-            &buf.ids,
-            &buf.weights,
-            shape,
             &self.gate_up,
             &self.down,
+            &mut buf.ids,
+            &mut buf.weights,
             &mut buf.workspace,
             out,
+            add,
         );
     }
 }

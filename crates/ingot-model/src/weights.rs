@@ -233,15 +233,15 @@ impl<B: Backend> LayerWeights<B> {
             Mlp::Dense(mlp) => mlp.forward(b, x, rows, bufs.scratch, out),
             Mlp::Experts(moe) => {
                 let buf = bufs.moe.expect("a model with experts has their buffers");
-                moe.forward(b, x, rows, buf, out)
+                moe.forward(b, x, rows, buf, out, false)
             }
         }
     }
 
     /// `residual += mlp(rms_norm(residual))` with the norm folded into the matrices after
     /// it (`unit`: its weights, ones): one [`Backend::rms_norm_gated_mlp_add`] where the
-    /// dense MLP is one gated MLP; otherwise the norm into `normed`, the MLP into
-    /// `product`, the add.
+    /// dense MLP is one gated MLP; otherwise the norm into `normed`, then the MLP into
+    /// `product` and the add, or a mixture of experts adding into `residual` itself.
     #[allow(clippy::too_many_arguments)]
     pub fn mlp_add(
         &self,
@@ -262,8 +262,7 @@ impl<B: Backend> LayerWeights<B> {
                 let d = moe.router.in_features;
                 b.rms_norm(residual, unit, eps, rows, d, normed);
                 let buf = bufs.moe.expect("a model with experts has their buffers");
-                moe.forward(b, normed, rows, buf, product);
-                b.add_assign(residual, product, rows * d);
+                moe.forward(b, normed, rows, buf, residual, true);
             }
         }
     }

@@ -614,8 +614,9 @@ impl Backend for CpuBackend {
         down: &CpuBuffer,
         workspace: &mut CpuBuffer,
         out: &mut CpuBuffer,
+        add: bool,
     ) {
         let _t = self.profile.time(|| "moe_experts".into());
-        self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out);
+        self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out, add);
     }
 }

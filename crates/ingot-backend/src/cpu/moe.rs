@@ -56,6 +56,7 @@ impl CpuBackend {
         down: &CpuBuffer,
         workspace: &mut CpuBuffer,
         out: &mut CpuBuffer,
+        add: bool,
     ) {
         let MoeShape {
             rows,
@@ -109,12 +110,11 @@ impl CpuBackend {
         }
         let weights = &weights.f32()[..slots];
         for (r, o) in out.f32_mut()[..rows * d].chunks_mut(d).enumerate() {
-            o.fill(0.0);
-            for s in r * k..(r + 1) * k {
-                let w = weights[s];
-                for (o, &y) in o.iter_mut().zip(&slot_out[s * d..][..d]) {
-                    *o += w * y;
-                }
+            for (c, o) in o.iter_mut().enumerate() {
+                let sum: f32 = (r * k..(r + 1) * k)
+                    .map(|s| weights[s] * slot_out[s * d + c])
+                    .sum();
+                *o = if add { *o + sum } else { sum };
             }
         }
     }

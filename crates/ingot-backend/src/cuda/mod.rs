@@ -631,13 +631,15 @@ impl CudaBackend {
 
     /// [`Backend::rope_kv_write`]; with `norm` = (x, dim, eps), the qkv rows are products of
     /// x's un-normalized rows whose RMSNorm weights are folded into the QKV matrix, and are
-    /// first scaled by 1 / rms of x's rows.
+    /// first scaled by 1 / rms of x's rows; with `qk` = (query weights, key weights, eps), the
+    /// heads then go through [`Backend::qk_norm`] (inside the kernel of decode batches).
     fn rope_kv_write_normed(
         &self,
         qkv: &mut CudaBuffer,
         rows: usize,
         rope: RopeKvWrite<'_, Self>,
         norm: Option<(&CudaBuffer, usize, f32)>,
+        qk: Option<(&CudaBuffer, &CudaBuffer, f32)>,
     ) {
         let RopeKvWrite {
             layout,
@@ -672,10 +674,18 @@ impl CudaBackend {
         // Decode batches take a block per head (latency), prefill a block per row.
         if rows <= DECODE_ROPE_ROWS && layout.head_dim <= 1024 {
             let all_heads = heads + layout.num_kv_heads;
+            let (qw, kw, qk_eps) = qk.map_or((0, 0, 0.0), |(qw, kw, e)| (qw.ptr, kw.ptr, e));
             launch!(self, format!("rope_kv_write_heads_{types}"),
                 (rows as u32, all_heads as u32, 1), row_threads(layout.head_dim);
-                q, p, cs, nh, nkv, hd, rd, s, kc, vc, nx, dim, eps);
+                q, p, cs, nh, nkv, hd, rd, s, kc, vc, nx, dim, eps, qw, kw, qk_eps);
         } else {
+            assert!(
+                norm.is_none() || qk.is_none(),
+                "a folded norm and a q/k norm in one prefill launch"
+            );
+            if let Some((qw, kw, e)) = qk {
+                self.qk_norm(qkv, layout, rows, qw, kw, e);
+            }
             launch!(self, format!("rope_kv_write_{types}"),
                 (rows as u32, 1, 1), row_threads(heads * rotary_dim / 2).min(256);
                 q, p, cs, nh, nkv, hd, rd, s, kc, vc, nx, dim, eps);
@@ -1014,7 +1024,19 @@ impl Backend for CudaBackend {
             k_cache,
             v_cache,
         };
-        self.rope_kv_write_normed(qkv, rows, rope, None);
+        self.rope_kv_write_normed(qkv, rows, rope, None, None);
+    }
+
+    fn qk_norm_rope_kv_write(
+        &self,
+        qkv: &mut CudaBuffer,
+        rows: usize,
+        q_weight: &CudaBuffer,
+        k_weight: &CudaBuffer,
+        eps: f32,
+        rope: RopeKvWrite<'_, Self>,
+    ) {
+        self.rope_kv_write_normed(qkv, rows, rope, None, Some((q_weight, k_weight, eps)));
     }
 
     fn silu_mul_matmul(
@@ -1091,7 +1113,7 @@ impl Backend for CudaBackend {
             col_offset: 0,
         };
         self.product(x, w, None, m, n, k, out, false);
-        self.rope_kv_write_normed(qkv, m, rope, Some((x, k, eps)));
+        self.rope_kv_write_normed(qkv, m, rope, Some((x, k, eps)), None);
     }
 
     fn matmul_add(
@@ -1337,7 +1359,33 @@ impl Backend for CudaBackend {
         down: &CudaBuffer,
         workspace: &mut CudaBuffer,
         out: &mut CudaBuffer,
+        add: bool,
     ) {
-        self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out);
+        self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out, add);
+    }
+
+    fn moe(
+        &self,
+        x: &CudaBuffer,
+        logits: &CudaBuffer,
+        shape: MoeShape,
+        renormalize: bool,
+        gate_up: &CudaBuffer,
+        down: &CudaBuffer,
+        ids: &mut CudaBuffer,
+        weights: &mut CudaBuffer,
+        workspace: &mut CudaBuffer,
+        out: &mut CudaBuffer,
+        add: bool,
+    ) {
+        if moe::slot_by_slot(x.dtype, shape) {
+            let (l, rn) = (logits, renormalize);
+            self.run_rows(
+                x, l, shape, rn, gate_up, down, ids, weights, workspace, out, add,
+            );
+        } else {
+            self.route(logits, shape, renormalize, ids, weights);
+            self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out, add);
+        }
     }
 }

@@ -609,14 +609,15 @@ fn grid(groups: usize) -> [u32; 3] {
 }
 
 /// moe.wgsl's parameters: the shape, `n` outputs, and where moe_down's outputs start.
-fn moe_params(shape: MoeShape, renormalize: bool, n: usize, y_off: usize) -> Vec<u32> {
+/// moe.wgsl's `P`; `flag` is moe_route's `renormalize` and moe_combine's `add`.
+fn moe_params(shape: MoeShape, flag: bool, n: usize, y_off: usize) -> Vec<u32> {
     words(&[
         shape.rows,
         shape.experts,
         shape.experts_per_token,
         shape.dim,
         shape.ffn,
-        renormalize as usize,
+        flag as usize,
         n,
         y_off,
     ])
@@ -1468,6 +1469,7 @@ impl Backend for WgpuBackend {
         down: &WgpuBuffer,
         workspace: &mut WgpuBuffer,
         out: &mut WgpuBuffer,
+        add: bool,
     ) {
         let slots = shape.slots();
         let (acts, ys) = (slots * shape.ffn, slots * shape.dim);
@@ -1497,7 +1499,7 @@ impl Backend for WgpuBackend {
             &shader::MOE,
             "moe_combine",
             DType::F32,
-            &moe_params(shape, false, n, acts),
+            &moe_params(shape, add, n, acts),
             &[(1, &workspace.buf), (4, &weights.buf), (5, &out.buf)],
             n.div_ceil(WG as usize),
         );

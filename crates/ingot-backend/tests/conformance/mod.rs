@@ -557,6 +557,48 @@ pub fn rope_qk_norm_and_kv_write_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                             ),
                         );
                     }
+
+                    // The fused q/k norm + rope + kv_write gives the bits of its two ops.
+                    let (qw_buf, kw_buf) = (up(g, &qw, DType::F32), up(g, &kw, DType::F32));
+                    let mut both = vec![];
+                    for fused in [false, true] {
+                        let (mut gk, mut gv) =
+                            (up(g, &init, cache_dtype), up(g, &init, cache_dtype));
+                        let mut gq = up(g, &qkv, dtype);
+                        let (p, t) = (up_i32(g, &pos), up(g, &table, DType::F32));
+                        let s = up_i32(g, &slots);
+                        let rope = RopeKvWrite {
+                            layout,
+                            positions: &p,
+                            cos_sin: &t,
+                            rotary_dim: rot,
+                            slot_mapping: &s,
+                            cache,
+                            k_cache: &mut gk,
+                            v_cache: &mut gv,
+                        };
+                        if fused {
+                            g.qk_norm_rope_kv_write(&mut gq, rows, &qw_buf, &kw_buf, 1e-6, rope);
+                        } else {
+                            g.qk_norm(&mut gq, layout, rows, &qw_buf, &kw_buf, 1e-6);
+                            rope.apply(g, &mut gq, rows);
+                        }
+                        both.push([
+                            g.download_f32(&gq, rows * rl).unwrap(),
+                            g.download_f32(&gk, n).unwrap(),
+                            g.download_f32(&gv, n).unwrap(),
+                        ]);
+                    }
+                    for (i, what) in ["queries", "keys", "values"].iter().enumerate() {
+                        assert!(
+                            both[0][i]
+                                .iter()
+                                .zip(&both[1][i])
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "qk_norm_rope_kv_write {what} {dtype} into {cache_dtype} \
+                             {layout:?} rot {rot} {rows} rows: not the bits of its two ops"
+                        );
+                    }
                 }
             }
         }
@@ -1644,12 +1686,14 @@ pub fn recorded_products_replay_on_new_inputs<G: Backend>(g: &G, dtype: DType, r
 }
 
 /// A mixture of experts' ops against the CPU's: `moe_route` on random router logits (and
-/// on logits where one expert wins every row), then `moe_experts` on the CPU's routing, in
-/// every activation and weight dtype: odd row counts, experts that get no row, one expert
-/// that gets every row, top-k 1, 2 and 8 of 8 and 128 experts, and widths the 16-byte loads
-/// do not take, widths that end partway through a block of output columns, and
-/// prefill-sized steps. Rows of every step are then recomputed alone and must give the same
-/// bits: a row's result does not depend on the other rows of its step.
+/// on logits where one expert wins every row), then `moe_experts` on the CPU's routing, and
+/// `moe` (routing and experts, added into a residual) on the logits, in every activation
+/// and weight dtype: odd row counts, experts that get no row, one expert that gets every
+/// row, top-k 1, 2 and 8 of 8 and 128 experts, and widths the 16-byte loads do not take,
+/// widths that end partway through a block of output columns, decode-sized and
+/// prefill-sized steps. Rows of every step are then recomputed alone through both ops and
+/// must give the same bits: a row's result does not depend on the other rows of its step
+/// (nor on the path a backend takes for a step of its size).
 pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
     use ingot_backend::MoeShape;
     let c = cpu();
@@ -1657,6 +1701,8 @@ pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
     // (rows, experts, k, dim, ffn, one expert wins every row)
     let cases = [
         (1, 8, 2, 64, 32, false),
+        (3, 128, 8, 128, 64, false),
+        (4, 8, 2, 64, 128, true),
         (5, 8, 1, 64, 96, true),
         (7, 128, 8, 64, 32, false),
         (33, 8, 2, 40, 24, false),
@@ -1742,8 +1788,36 @@ pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                         &down_buf,
                         &mut ws,
                         &mut out,
+                        false,
                     );
                     g.download_f32(&out, shape.rows * dim).unwrap()
+                };
+                // `moe` from the logits, added to `residual`: the output and the routing.
+                let fused = |x: &[f32], logits: &[f32], residual: &[f32], shape: MoeShape| {
+                    let slots = shape.slots();
+                    let mut ws = g.alloc(DType::F32, g.moe_workspace_len(shape)).unwrap();
+                    let mut out = up(g, residual, dtype);
+                    let (mut ids, mut w) = (
+                        poisoned(g, DType::I32, slots),
+                        poisoned(g, DType::F32, slots),
+                    );
+                    g.moe(
+                        &up(g, x, dtype),
+                        &up(g, logits, DType::F32),
+                        shape,
+                        true,
+                        &gu_buf,
+                        &down_buf,
+                        &mut ids,
+                        &mut w,
+                        &mut ws,
+                        &mut out,
+                        true,
+                    );
+                    (
+                        g.download_f32(&out, shape.rows * dim).unwrap(),
+                        g.download_i32(&ids, slots).unwrap(),
+                    )
                 };
                 let got = run(&x, &want_ids, &want_w, shape);
                 let mut ws = c.alloc(DType::F32, c.moe_workspace_len(shape)).unwrap();
@@ -1757,15 +1831,21 @@ pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                     &up(&c, &down, DType::F32),
                     &mut ws,
                     &mut want,
+                    false,
                 );
+                let want = c.download_f32(&want, rows * dim).unwrap();
                 let what =
                     format!("moe_experts {dtype}x{wd} {rows}x{experts} top-{k} dim{dim} ffn{ffn}");
-                check(
-                    &got,
-                    &c.download_f32(&want, rows * dim).unwrap(),
-                    dtype,
-                    &what,
-                );
+                check(&got, &want, dtype, &what);
+                let residual = round(&randn(&mut rng, rows * dim), dtype);
+                let (added, fused_ids) = fused(&x, &logits, &residual, shape);
+                assert_eq!(fused_ids, want_ids, "{what}: moe's routing");
+                let want_added: Vec<f32> = residual
+                    .iter()
+                    .zip(&want)
+                    .map(|(r, w)| r + round(&[*w], dtype)[0])
+                    .collect();
+                check(&added, &want_added, dtype, &format!("{what}: moe added"));
                 for r in [0, rows / 2, rows - 1] {
                     let alone = MoeShape { rows: 1, ..shape };
                     let one = run(
@@ -1779,6 +1859,18 @@ pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                             .zip(&got[r * dim..][..dim])
                             .all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{what}: row {r} alone differs from its row in the step"
+                    );
+                    let (one, _) = fused(
+                        &x[r * dim..][..dim],
+                        &logits[r * experts..][..experts],
+                        &residual[r * dim..][..dim],
+                        alone,
+                    );
+                    assert!(
+                        one.iter()
+                            .zip(&added[r * dim..][..dim])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: moe of row {r} alone differs from its row in the step"
                     );
                 }
             }

@@ -203,33 +203,55 @@ __device__ void rope_kv_write(T* qkv, const int* positions, const float* cos_sin
 // thread's loads are issued together, so a decode row costs one round of memory latency
 // rather than one per element a thread of the per-row kernel walks (B=1 at Llama-8B shapes
 // on the H100: 9.2 µs a layer per row, cold, in the per-row kernel). `norm_x` as for
-// rope_kv_write.
+// rope_kv_write. With `qw` (and `kw`), each query (key) head first goes through qk_norm's
+// per-head RMSNorm with those weights, summed as qk_norm sums it, so the bits are those of
+// qk_norm then this kernel, one launch fewer.
 template <typename T, typename C>
 __device__ void rope_kv_write_heads(T* qkv, const int* positions, const float* cos_sin, int num_heads,
                               int num_kv_heads, int head_dim, int rotary_dim, const int* slots,
-                              C* k_cache, C* v_cache, const T* norm_x, int dim, float eps) {
+                              C* k_cache, C* v_cache, const T* norm_x, int dim, float eps,
+                              const float* qw, const float* kw, float qk_eps) {
+    __shared__ float head_inv;
     const long long row = blockIdx.x;
     const int h = blockIdx.y, i = threadIdx.x;
     const int kv_len = num_kv_heads * head_dim;
     T* x = qkv + row * (num_heads * head_dim + 2 * kv_len) + (long long)h * head_dim;
     const bool rotated = h < num_heads + num_kv_heads && i < rotary_dim;
     const float inv = norm_x ? row_inv_rms(norm_x + row * dim, dim, eps) : 1.0f;
+    const float* qk_w = h < num_heads ? qw : h < num_heads + num_kv_heads ? kw : nullptr;
+    if (qk_w) {
+        if (i < 32) {
+            float ss = 0.0f;
+            for (int e = i; e < head_dim; e += 32) {
+                const float u = round_to<T>(to_f32(x[e]) * inv);
+                ss += u * u;
+            }
+            const float sum = warp_sum(ss);
+            if (i == 0) head_inv = rsqrtf(sum / head_dim + qk_eps);
+        }
+        __syncthreads();
+    }
+    // Element e of the head as the ops before the rotation leave it.
+    auto input = [&](int e) {
+        const float u = round_to<T>(to_f32(x[e]) * inv);
+        return qk_w ? round_to<T>(round_to<T>(u * head_inv) * qk_w[e]) : u;
+    };
     float v = 0.0f;
     if (i < head_dim) {
-        v = round_to<T>(to_f32(x[i]) * inv);
+        v = input(i);
         if (rotated) {
             // The pair (j, j + half): x[j] = a c - b s, x[j + half] = b c + a s.
             const int half = rotary_dim / 2, j = i < half ? i : i - half;
             const float* cs = cos_sin + (long long)positions[row] * rotary_dim;
             const float c = cs[j], s = cs[half + j];
-            const float other = round_to<T>(to_f32(x[i < half ? i + half : i - half]) * inv);
+            const float other = input(i < half ? i + half : i - half);
             v = rotate(v, c, i < half ? -other : other, s);
         }
     }
     // Every thread has read its pair before any rotated value is stored.
     __syncthreads();
     if (i >= head_dim) return;
-    if (rotated || norm_x) x[i] = from_f32<T>(v);
+    if (rotated || norm_x || qk_w) x[i] = from_f32<T>(v);
     const long long slot = slots[row];
     if (h < num_heads || slot < 0) return;
     // The cache takes the value as the row holds it (rounded to T).
@@ -335,9 +357,11 @@ __device__ void bias_add(T* out, const float* bias, int n, long long ld) {
     }                                                                                              \
     extern "C" __global__ void rope_kv_write_heads_##S##_##SC(                                     \
         T* qkv, const int* pos, const float* cs, int nh, int nkv, int hd, int rd,                  \
-        const int* slots, C* kc, C* vc, const T* nx, int dim, float eps) {                         \
+        const int* slots, C* kc, C* vc, const T* nx, int dim, float eps, const float* qw,          \
+        const float* kw, float qk_eps) {                                                           \
         await_previous_kernel();                                                                   \
-        rope_kv_write_heads<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc, nx, dim, eps);     \
+        rope_kv_write_heads<T, C>(qkv, pos, cs, nh, nkv, hd, rd, slots, kc, vc, nx, dim, eps, qw,  \
+                                  kw, qk_eps);                                                     \
     }
 
 ELEMENTWISE(float, f32)

@@ -29,20 +29,14 @@ template <> __device__ __forceinline__ void load8_weights<float>(const float* p,
     load8<float>(p, f);
 }
 
-// Grid: ceil(rows / MOE_ROUTE_WARPS) blocks of MOE_ROUTE_WARPS warps, one warp a row;
-// MOE_ROUTE_WARPS * experts floats of dynamic shared memory. Softmax over the experts, the
-// k largest probabilities in descending order (compared as the CPU compares them, so logits
-// that round to one probability tie; the lower index first), rescaled to sum to 1 where
-// `renormalize`. A warp a row needs no block-wide barrier between the k choices.
-extern "C" __global__ void moe_route(const float* logits, int rows, int experts, int k,
-                                     int renormalize, int* ids, float* probs) {
-    await_previous_kernel();
-    extern __shared__ float route_shared[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long r = (long long)blockIdx.x * MOE_ROUTE_WARPS + warp;
-    if (r >= rows) return;
-    float* p = route_shared + warp * experts;
-    const float* l = logits + r * experts;
+// One row's routing, a warp's work: softmax over the experts, the k largest probabilities
+// in descending order (compared as the CPU compares them, so logits that round to one
+// probability tie; the lower index first), rescaled to sum to 1 where `renormalize`, into
+// ids[0, k) and probs[0, k). p: `experts` floats of scratch. A warp a row needs no
+// block-wide barrier between the k choices.
+__device__ __forceinline__ void route_row(const float* l, int experts, int k, int renormalize,
+                                          float* p, int* ids, float* probs) {
+    const int lane = threadIdx.x & 31;
     float m = NEG_INF;
     for (int e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
     m = warp_max(m);
@@ -65,14 +59,28 @@ extern "C" __global__ void moe_route(const float* logits, int rows, int experts,
         warp_argmax(v, i);
         chosen += v / sum;
         if (lane == 0) {
-            ids[r * k + j] = i;
-            probs[r * k + j] = v / sum;
+            ids[j] = i;
+            probs[j] = v / sum;
             p[i] = -1.0f;
         }
         __syncwarp();
     }
     if (renormalize)
-        for (int j = lane; j < k; j += 32) probs[r * k + j] /= chosen;
+        for (int j = lane; j < k; j += 32) probs[j] /= chosen;
+    __syncwarp();
+}
+
+// Grid: ceil(rows / MOE_ROUTE_WARPS) blocks of MOE_ROUTE_WARPS warps, one warp a row;
+// MOE_ROUTE_WARPS * experts floats of dynamic shared memory.
+extern "C" __global__ void moe_route(const float* logits, int rows, int experts, int k,
+                                     int renormalize, int* ids, float* probs) {
+    await_previous_kernel();
+    extern __shared__ float route_shared[];
+    const int warp = threadIdx.x >> 5;
+    const long long r = (long long)blockIdx.x * MOE_ROUTE_WARPS + warp;
+    if (r >= rows) return;
+    route_row(logits + r * experts, experts, k, renormalize, route_shared + warp * experts,
+              ids + r * k, probs + r * k);
 }
 
 // One block; 2 * experts ints of dynamic shared memory. Counts each expert's slots, lays
@@ -236,14 +244,21 @@ __device__ void moe_down(const float* act, const T* w, const int* order, const i
                 y[(long long)order[first + r] * dim + j0 + c] = acc[r][c];
 }
 
-// Grid: one block per row. out[r, j] = Σ_i probs[r * k + i] · y[r * k + i, j] in slot order.
+// A row's weighted sum of its slots into `out`, or added to it where `add`: the sum rounded
+// to T first, as a product written out and then added would be.
+template <typename T> __device__ __forceinline__ void store_sum(T* out, float sum, int add) {
+    *out = from_f32<T>(add ? to_f32(*out) + round_to<T>(sum) : sum);
+}
+
+// Grid: one block per row. out[r, j] = Σ_i probs[r * k + i] · y[r * k + i, j] in slot order
+// (fused multiply-adds), or added to out where `add`.
 template <typename T>
-__device__ void moe_combine(const float* y, const float* probs, int k, int dim, T* out) {
+__device__ void moe_combine(const float* y, const float* probs, int k, int dim, T* out, int add) {
     const long long r = blockIdx.x;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) {
         float acc = 0.0f;
-        for (int i = 0; i < k; i++) acc += probs[r * k + i] * y[(r * k + i) * dim + j];
-        out[r * dim + j] = from_f32<T>(acc);
+        for (int i = 0; i < k; i++) acc = fmaf(probs[r * k + i], y[(r * k + i) * dim + j], acc);
+        store_sum<T>(out + r * dim + j, acc, add);
     }
 }
 
@@ -261,10 +276,12 @@ __device__ void moe_combine(const float* y, const float* probs, int k, int dim, 
 // halves of its columns, so act = silu(gate) * up is formed in registers, each product
 // rounded to T as the dense MLP's product and silu_mul round them; act is written in
 // grouped order. Otherwise the down product, whose f32 outputs go to their slots.
+//
+// The tile is expert e's grouped slots [first, first + n); `order` gives the slot at each
+// grouped position, or is null where positions are slots (steps run slot by slot).
 template <typename T, int BM, int BN, int WM, int WN, int STAGES, bool GATE>
-__device__ void moe_mma(const T* a, const T* w, const int* order, const int* offsets,
-                        const int* tile_offsets, int experts, int k_route, int len, int n_out,
-                        void* out) {
+__device__ void moe_mma_tile(const T* a, const T* w, const int* order, int e, int first, int n,
+                             int k_route, int len, int n_out, void* out) {
     constexpr int BK = MOE_MMA_BK, LD = BK + 8, THREADS = 32 * WM * WN, PIECES = BK / 8;
     constexpr int MI = BM / 16 / WM, NI = BN / 8 / WN;
     static_assert(MI * 16 * WM == BM && NI * 8 * WN == BN && (!GATE || NI % 2 == 0), "tile shape");
@@ -273,8 +290,6 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
     T* ws = as + STAGES * BM * LD;              // [STAGES][BN][LD]
     __shared__ const T* arow[BM];
     __shared__ const T* wrow[BN];
-    int e, first, n;
-    if (!moe_tile(offsets, tile_offsets, experts, BM, e, first, n)) return;
     constexpr int COLS = GATE ? BN / 2 : BN;
     const int j0 = blockIdx.x * COLS;
     if (j0 >= n_out) return;
@@ -282,7 +297,8 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
     // columns past n_out read the last valid one again and are not stored.
     for (int r = threadIdx.x; r < BM; r += THREADS) {
         const int g = first + min(r, n - 1);
-        arow[r] = a + (long long)(GATE ? order[g] / k_route : g) * len;
+        const int slot = order ? order[g] : g;
+        arow[r] = a + (long long)(GATE ? slot / k_route : g) * len;
     }
     const long long rows_per_expert = GATE ? 2LL * n_out : n_out;
     for (int c = threadIdx.x; c < BN; c += THREADS) {
@@ -371,7 +387,8 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
                         act[col] = from_f32<T>(gate / (1.0f + expf(-gate)) * up);
                     }
             } else {
-                float* y = reinterpret_cast<float*>(out) + (long long)order[first + r] * n_out;
+                const int slot = order ? order[first + r] : first + r;
+                float* y = reinterpret_cast<float*>(out) + (long long)slot * n_out;
 #pragma unroll
                 for (int j = 0; j < NI; j++)
 #pragma unroll
@@ -381,6 +398,45 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
                     }
             }
         }
+}
+
+// One tile of grouped slots: tile blockIdx.y as moe_group laid them out.
+template <typename T, int BM, int BN, int WM, int WN, int STAGES, bool GATE>
+__device__ void moe_mma(const T* a, const T* w, const int* order, const int* offsets,
+                        const int* tile_offsets, int experts, int k_route, int len, int n_out,
+                        void* out) {
+    int e, first, n;
+    if (!moe_tile(offsets, tile_offsets, experts, BM, e, first, n)) return;
+    moe_mma_tile<T, BM, BN, WM, WN, STAGES, GATE>(a, w, order, e, first, n, k_route, len, n_out,
+                                                  out);
+}
+
+// Steps of a few rows run slot by slot, with no grouping (an expert then gets about one
+// slot anyway): tile blockIdx.y is slot blockIdx.y alone, in the small tile's shape and the
+// same k order, so with the grouped tiles' bits. The gate/up kernel routes the slot's row
+// first (a warp's work in each block, cheaper than a launch of its own), in the dynamic
+// shared memory after the ring (experts floats of scratch, then k ids and k weights), and
+// the blocks of column 0 write the slot's expert and weight for the down kernel.
+template <typename T, int BM, int BN, int WM, int WN, int STAGES>
+__device__ void moe_mma_row_gate_up(const T* x, const float* logits, const T* w, int experts,
+                                    int k, int renormalize, int dim, int ffn, int* ids,
+                                    float* probs, T* act) {
+    constexpr int LD = MOE_MMA_BK + 8;
+    extern __shared__ __align__(16) unsigned char mma_shared[];
+    float* scratch = reinterpret_cast<float*>(mma_shared + STAGES * (BM + BN) * LD * sizeof(T));
+    int* row_ids = reinterpret_cast<int*>(scratch + experts);
+    float* row_probs = reinterpret_cast<float*>(row_ids + k);
+    const int slot = blockIdx.y;
+    if (threadIdx.x < 32)
+        route_row(logits + (long long)(slot / k) * experts, experts, k, renormalize, scratch,
+                  row_ids, row_probs);
+    __syncthreads();
+    const int e = row_ids[slot % k];
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ids[slot] = e;
+        probs[slot] = row_probs[slot % k];
+    }
+    moe_mma_tile<T, BM, BN, WM, WN, STAGES, true>(x, w, nullptr, e, slot, 1, k, dim, ffn, act);
 }
 
 // Grid: (ceil(ffn / (BN / 2)), tiles of BM slots); 32 * WM * WN threads, the shared
@@ -411,6 +467,29 @@ MOE_MMA(bf16, bf16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_W
 MOE_MMA(f16, f16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_WN,
         MOE_LARGE_STAGES)
 
+// Grid: (ceil(ffn / (BN / 2)), slots) and (ceil(dim / BN), slots), the small tile's shape;
+// act [slots, ffn] and y [slots, dim] in slot order.
+#define MOE_MMA_ROW(T, S)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * MOE_SMALL_WM * MOE_SMALL_WN)                 \
+        moe_mma_row_gate_up_##S(const T* x, const float* logits, const T* w, int experts, int k,   \
+                                int renormalize, int dim, int ffn, int* ids, float* probs,         \
+                                T* act) {                                                          \
+        await_previous_kernel();                                                                   \
+        moe_mma_row_gate_up<T, MOE_SMALL_BM, MOE_SMALL_BN, MOE_SMALL_WM, MOE_SMALL_WN,             \
+                            MOE_SMALL_STAGES>(x, logits, w, experts, k, renormalize, dim, ffn,     \
+                                              ids, probs, act);                                    \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * MOE_SMALL_WM * MOE_SMALL_WN)                 \
+        moe_mma_row_down_##S(const T* act, const T* w, const int* ids, int dim, int ffn,           \
+                             float* y) {                                                           \
+        await_previous_kernel();                                                                   \
+        moe_mma_tile<T, MOE_SMALL_BM, MOE_SMALL_BN, MOE_SMALL_WM, MOE_SMALL_WN, MOE_SMALL_STAGES,  \
+                     false>(act, w, nullptr, ids[blockIdx.y], blockIdx.y, 1, 0, ffn, dim, y);      \
+    }
+
+MOE_MMA_ROW(bf16, bf16)
+MOE_MMA_ROW(f16, f16)
+
 #define MOE(T, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##S(                     \
         const T* x, const T* w, const int* order, const int* offsets, const int* tile_offsets,    \
@@ -425,9 +504,9 @@ MOE_MMA(f16, f16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_WN,
         moe_down<T>(act, w, order, offsets, tile_offsets, experts, dim, ffn, y);                   \
     }                                                                                              \
     extern "C" __global__ void moe_combine_##S(const float* y, const float* probs, int k, int dim, \
-                                               T* out) {                                           \
+                                               T* out, int add) {                                  \
         await_previous_kernel();                                                                   \
-        moe_combine<T>(y, probs, k, dim, out);                                                     \
+        moe_combine<T>(y, probs, k, dim, out, add);                                                \
     }
 
 MOE(float, f32)

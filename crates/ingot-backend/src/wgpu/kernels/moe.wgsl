@@ -4,10 +4,11 @@
 // depend on the others of its step, and experts read once per slot rather than once per
 // step is the price of this first, correctness-first version.
 
-// y_off: where moe_down's outputs start in `out`, which also holds the activations it
-// reads (one workspace buffer cannot be bound twice).
+// flag: moe_route's renormalize, moe_combine's add. y_off: where moe_down's outputs start
+// in `out`, which also holds the activations it reads (one workspace buffer cannot be bound
+// twice).
 struct P {
-    rows: u32, experts: u32, k: u32, dim: u32, ffn: u32, renormalize: u32, n: u32, y_off: u32,
+    rows: u32, experts: u32, k: u32, dim: u32, ffn: u32, flag: u32, n: u32, y_off: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -23,7 +24,7 @@ fn element(wg: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
 }
 
 // One thread per row: softmax over the experts, the k largest in descending order (the
-// lower index first among equals), rescaled to sum to 1 where p.renormalize.
+// lower index first among equals), rescaled to sum to 1 where p.flag (renormalize).
 @compute @workgroup_size(256)
 fn moe_route(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
              @builtin(local_invocation_index) lid: u32) {
@@ -62,7 +63,7 @@ fn moe_route(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
         probs[r * p.k + j] = prob;
         chosen += prob;
     }
-    if (p.renormalize != 0u) {
+    if (p.flag != 0u) {
         for (var j = 0u; j < p.k; j++) {
             probs[r * p.k + j] /= chosen;
         }
@@ -115,8 +116,8 @@ fn moe_down(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: 
     out[p.y_off + i] = acc;
 }
 
-// out[r, c] = Σ_j probs[r * k + j] · y[r * k + j, c] in slot order, with y at y_off in `a`;
-// n = rows * dim outputs.
+// out[r, c] = Σ_j probs[r * k + j] · y[r * k + j, c] in slot order (added to out where
+// p.flag), with y at y_off in `a`; n = rows * dim outputs.
 @compute @workgroup_size(256)
 fn moe_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
@@ -130,6 +131,9 @@ fn moe_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw
     for (var j = 0u; j < p.k; j++) {
         let s = r * p.k + j;
         acc += probs[s] * a[p.y_off + s * p.dim + c];
+    }
+    if (p.flag != 0u) {
+        acc += out[i];
     }
     out[i] = acc;
 }
