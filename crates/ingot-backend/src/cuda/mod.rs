@@ -1379,9 +1379,18 @@ impl Backend for CudaBackend {
         add: bool,
     ) {
         if moe::slot_by_slot(x.dtype, shape) {
-            let (l, rn) = (logits, renormalize);
             self.run_rows(
-                x, l, shape, rn, gate_up, down, ids, weights, workspace, out, add,
+                x,
+                logits,
+                shape,
+                renormalize,
+                gate_up,
+                down,
+                ids,
+                weights,
+                workspace,
+                out,
+                add,
             );
         } else {
             self.route(logits, shape, renormalize, ids, weights);

@@ -123,6 +123,24 @@ pub struct Workspace {
 }
 
 impl Workspace {
+    /// The layout for `shape`, after checking the experts' dtype and that `workspace` holds
+    /// it.
+    fn checked(
+        shape: MoeShape,
+        x: &CudaBuffer,
+        gate_up: &CudaBuffer,
+        down: &CudaBuffer,
+        workspace: &CudaBuffer,
+    ) -> Self {
+        assert!(
+            gate_up.dtype == x.dtype && down.dtype == x.dtype,
+            "experts' weights in the activation dtype"
+        );
+        let ws = Workspace::new(shape);
+        assert!(workspace.numel >= ws.len, "MoE workspace too small");
+        ws
+    }
+
     pub fn new(shape: MoeShape) -> Self {
         let (e, s) = (shape.experts, shape.slots());
         let order = 2 * (e + 1);
@@ -201,20 +219,11 @@ impl CudaBackend {
         out: &mut CudaBuffer,
         add: bool,
     ) {
-        assert_eq!(
-            gate_up.dtype, x.dtype,
-            "experts' weights in the activation dtype"
-        );
-        assert_eq!(
-            down.dtype, x.dtype,
-            "experts' weights in the activation dtype"
-        );
+        let ws = Workspace::checked(shape, x, gate_up, down, workspace);
         let slots = shape.slots();
         if slots == 0 {
             return;
         }
-        let ws = Workspace::new(shape);
-        assert!(workspace.numel >= ws.len, "MoE workspace too small");
         let at = |words: usize| workspace.ptr + 4 * words as u64;
         let (offsets, tile_offsets, order, act, y) = (
             at(ws.offsets),
@@ -253,8 +262,28 @@ impl CudaBackend {
                 launch!(self, format!("moe_down_{sfx}"), (cols, tiles, 1), threads; act, dp, order, offsets, tile_offsets, e, dim, ffn, y);
             }
         }
-        let (w, o, add) = (weights.ptr, out.ptr, add as i32);
-        launch!(self, format!("moe_combine_{sfx}"), (shape.rows as u32, 1, 1), row_threads(shape.dim).min(256); y, w, k, dim, o, add);
+        self.combine(y, weights, shape, out, add);
+    }
+
+    /// `moe_combine`: each row's weighted sum of its slots' f32 outputs `y` into `out`, or
+    /// added to it where `add`.
+    fn combine(
+        &self,
+        y: u64,
+        weights: &CudaBuffer,
+        shape: MoeShape,
+        out: &mut CudaBuffer,
+        add: bool,
+    ) {
+        let (w, k, dim, o, add) = (
+            weights.ptr,
+            shape.experts_per_token as i32,
+            shape.dim as i32,
+            out.ptr,
+            add as i32,
+        );
+        let name = format!("moe_combine_{}", suffix(out.dtype));
+        launch!(self, name, (shape.rows as u32, 1, 1), row_threads(shape.dim).min(256); y, w, k, dim, o, add);
     }
 
     /// [`crate::Backend::moe`] slot by slot ([`slot_by_slot`]): the gate/up kernel routes
@@ -275,13 +304,11 @@ impl CudaBackend {
         out: &mut CudaBuffer,
         add: bool,
     ) {
-        assert!(gate_up.dtype == x.dtype && down.dtype == x.dtype);
+        let ws = Workspace::checked(shape, x, gate_up, down, workspace);
         let slots = shape.slots();
         if slots == 0 {
             return;
         }
-        let ws = Workspace::new(shape);
-        assert!(workspace.numel >= ws.len, "MoE workspace too small");
         let (act, y) = (
             workspace.ptr + 4 * ws.act as u64,
             workspace.ptr + 4 * ws.y as u64,
@@ -309,7 +336,6 @@ impl CudaBackend {
         self.count_touched_experts(ids, shape);
         let cols = shape.dim.div_ceil(SMALL.rows) as u32;
         launch!(self, format!("moe_mma_row_down_{sfx}"), label = format!("moe_mma_row_down_{sfx}"), shared = shared, (cols, slots as u32, 1), threads; act, dp, i, dim, ffn, y);
-        let (o, add) = (out.ptr, add as i32);
-        launch!(self, format!("moe_combine_{sfx}"), (shape.rows as u32, 1, 1), row_threads(shape.dim).min(256); y, w, k, dim, o, add);
+        self.combine(y, weights, shape, out, add);
     }
 }

@@ -608,8 +608,8 @@ fn grid(groups: usize) -> [u32; 3] {
     }
 }
 
-/// moe.wgsl's parameters: the shape, `n` outputs, and where moe_down's outputs start.
-/// moe.wgsl's `P`; `flag` is moe_route's `renormalize` and moe_combine's `add`.
+/// moe.wgsl's parameters: the shape, a flag (moe_route's `renormalize`, moe_combine's
+/// `add`), `n` outputs, and where moe_down's outputs start.
 fn moe_params(shape: MoeShape, flag: bool, n: usize, y_off: usize) -> Vec<u32> {
     words(&[
         shape.rows,

@@ -219,13 +219,12 @@ __device__ void rope_kv_write_heads(T* qkv, const int* positions, const float* c
     const bool rotated = h < num_heads + num_kv_heads && i < rotary_dim;
     const float inv = norm_x ? row_inv_rms(norm_x + row * dim, dim, eps) : 1.0f;
     const float* qk_w = h < num_heads ? qw : h < num_heads + num_kv_heads ? kw : nullptr;
+    // Element e of the head as the product leaves it (normed where norm_x).
+    auto scaled = [&](int e) { return round_to<T>(to_f32(x[e]) * inv); };
     if (qk_w) {
         if (i < 32) {
             float ss = 0.0f;
-            for (int e = i; e < head_dim; e += 32) {
-                const float u = round_to<T>(to_f32(x[e]) * inv);
-                ss += u * u;
-            }
+            for (int e = i; e < head_dim; e += 32) ss += scaled(e) * scaled(e);
             const float sum = warp_sum(ss);
             if (i == 0) head_inv = rsqrtf(sum / head_dim + qk_eps);
         }
@@ -233,7 +232,7 @@ __device__ void rope_kv_write_heads(T* qkv, const int* positions, const float* c
     }
     // Element e of the head as the ops before the rotation leave it.
     auto input = [&](int e) {
-        const float u = round_to<T>(to_f32(x[e]) * inv);
+        const float u = scaled(e);
         return qk_w ? round_to<T>(round_to<T>(u * head_inv) * qk_w[e]) : u;
     };
     float v = 0.0f;

@@ -411,8 +411,8 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
                                                   out);
 }
 
-// Steps of a few rows run slot by slot, with no grouping (an expert then gets about one
-// slot anyway): tile blockIdx.y is slot blockIdx.y alone, in the small tile's shape and the
+// Steps too small to group (cuda/moe.rs's ROW_PATH_ROWS) run slot by slot, with no grouping
+// (an expert then gets about one slot anyway): tile blockIdx.y is slot blockIdx.y alone, in the small tile's shape and the
 // same k order, so with the grouped tiles' bits. The gate/up kernel routes the slot's row
 // first (a warp's work in each block, cheaper than a launch of its own), in the dynamic
 // shared memory after the ring (experts floats of scratch, then k ids and k weights), and
