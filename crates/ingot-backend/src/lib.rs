@@ -289,6 +289,12 @@ pub trait Backend: Send + Sync {
     /// the CPU keeps every format; a GPU converts what it has no kernels for at load.
     fn weight_dtype(&self, stored: DType, activation: DType) -> DType;
 
+    /// [`Backend::weight_dtype`] for the expert matrices of a mixture of experts, where a
+    /// backend's expert kernels read fewer formats than its products.
+    fn expert_weight_dtype(&self, stored: DType, activation: DType) -> DType {
+        self.weight_dtype(stored, activation)
+    }
+
     /// Whether the KV cache may be kept in `dtype`.
     fn supports_kv_cache_dtype(&self, dtype: DType) -> bool;
 

@@ -1,6 +1,6 @@
 //! The conformance suite (`conformance/mod.rs`) on the CUDA backend: activations, weights
 //! and caches in f32, f16 and bf16 (weights in the activation dtype, as cuBLASLt takes
-//! them).
+//! them), and the GGUF blocks the backend keeps (Q8_0, Q4_0, Q4_1) under f16 activations.
 //!
 //! These need an NVIDIA GPU: run with `--ignored` on the GPU machine (scripts/gpu/run).
 #![cfg(feature = "cuda")]
@@ -17,6 +17,13 @@ const DTYPES: Dtypes = Dtypes {
     caches: |_| FLOATS.to_vec(),
 };
 
+/// The GGUF blocks the backend keeps, which run under f16 activations.
+const BLOCK_DTYPES: Dtypes = Dtypes {
+    activations: &[DType::F16],
+    weights: |_| vec![DType::Q8_0, DType::Q4_0, DType::Q4_1],
+    caches: |_| vec![DType::F16],
+};
+
 fn gpu() -> CudaBackend {
     CudaBackend::new(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e:#}"))
 }
@@ -25,6 +32,20 @@ fn gpu() -> CudaBackend {
 #[ignore = "needs an NVIDIA GPU"]
 fn row_ops_match_the_cpu() {
     conformance::row_ops_match_the_cpu(&gpu(), &DTYPES);
+}
+
+/// Every op that reads a matrix, on GGUF blocks: products of 1 to 257 rows (the GEMV's
+/// dequantization in registers, and the f16 scratch past it), with bias and into columns of
+/// a wider output, the MLPs, the residual-stream ops and the embedding gather.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gguf_blocks_match_the_cpu() {
+    let g = gpu();
+    conformance::matmul_matches_the_cpu_and_writes_only_its_columns(&g, &BLOCK_DTYPES);
+    conformance::silu_mul_matmul_matches_the_cpu(&g, &BLOCK_DTYPES);
+    conformance::gated_mlp_matches_the_cpu(&g, &BLOCK_DTYPES);
+    conformance::residual_stream_ops_match_the_cpu(&g, &BLOCK_DTYPES);
+    conformance::row_ops_match_the_cpu(&g, &BLOCK_DTYPES);
 }
 
 #[test]

@@ -484,6 +484,31 @@ impl<'a, B: Backend> Loader<'a, B> {
         norm: Option<&[f32]>,
         what: &str,
     ) -> Result<Linear<B>> {
+        self.stack(mats, in_features, norm, what, B::weight_dtype)
+    }
+
+    /// [`Loader::linear`] for a mixture's expert matrices, in the dtypes the backend's
+    /// expert kernels read ([`Backend::expert_weight_dtype`]).
+    fn experts(
+        &mut self,
+        mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
+        in_features: usize,
+        norm: Option<&[f32]>,
+        what: &str,
+    ) -> Result<Linear<B>> {
+        self.stack(mats, in_features, norm, what, B::expert_weight_dtype)
+    }
+
+    /// [`Loader::linear`] with `kept(backend, stored, activation)` the dtype each matrix is
+    /// kept in.
+    fn stack(
+        &mut self,
+        mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
+        in_features: usize,
+        norm: Option<&[f32]>,
+        what: &str,
+        kept: fn(&B, DType, DType) -> DType,
+    ) -> Result<Linear<B>> {
         let mut parts: Vec<LinearPart<B>> = vec![];
         // (dtype, stacked rows, row count, stacked biases)
         type Stack = (DType, Vec<u8>, usize, Option<Vec<f32>>);
@@ -494,7 +519,7 @@ impl<'a, B: Backend> Loader<'a, B> {
                 "{what}: expected shape [{rows}, {in_features}], found {:?}",
                 w.shape
             );
-            let mut dtype = self.matrix_dtype(&w);
+            let mut dtype = kept(self.b, self.dtype.apply(w.dtype), self.activation);
             if norm.is_some() && dtype.block_len() > 1 {
                 tracing::warn!(
                     "{what}: {dtype} kept as {} to fold its norm",
@@ -667,8 +692,8 @@ impl<B: Backend> Weights<B> {
                         gate_up.push((l.require(Role::ExpertUp(e), i)?, None, ef));
                         down.push((l.require(Role::ExpertDown(e), i)?, None, d));
                     }
-                    let gate_up = l.linear(gate_up, d, ffn_fold, &what("experts' gate/up"))?;
-                    let down = l.linear(down, ef, None, &what("experts' down"))?;
+                    let gate_up = l.experts(gate_up, d, ffn_fold, &what("experts' gate/up"))?;
+                    let down = l.experts(down, ef, None, &what("experts' down"))?;
                     Mlp::Experts(MoeWeights {
                         router,
                         gate_up: expert_stack(gate_up, &what("experts' gate/up"))?,

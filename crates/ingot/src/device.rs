@@ -81,8 +81,9 @@ pub struct ModelArgs {
     /// An HF model directory or a .gguf file.
     #[arg(long)]
     pub model: PathBuf,
-    /// auto keeps the checkpoint's dtype (GGUF stays quantized on the CPU); f32, f16 or
-    /// bf16 convert.
+    /// auto keeps the checkpoint's dtype (GGUF blocks stay quantized where the device has
+    /// kernels for them, else become the device's activation dtype); f32, f16 or bf16
+    /// convert.
     #[arg(long, default_value = "auto")]
     pub dtype: WeightDType,
     /// cpu, cuda[:N], wgpu[:N] (Metal on macOS, Vulkan elsewhere), or auto (a CUDA GPU

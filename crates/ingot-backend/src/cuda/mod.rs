@@ -3,7 +3,8 @@
 //! time (cudarc's dynamic loading), so this compiles and links without a CUDA toolkit.
 //!
 //! Activations run in the model's dtype (bf16, f16, or f32 for exact comparisons) with f32
-//! accumulation everywhere; matrices are kept in the activation dtype (GGUF blocks are
+//! accumulation everywhere; matrices are kept in the activation dtype, or as GGUF Q8_0,
+//! Q4_0 and Q4_1 blocks with f16 activations (`quant.rs`; other block formats are
 //! dequantized at load); the KV cache may be f32, f16 or bf16.
 
 mod gemm;
@@ -54,7 +55,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 25] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 26] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -80,6 +81,7 @@ const KERNEL_DEFINITIONS: [(&str, usize); 25] = [
     ("MOE_LARGE_WM", moe::LARGE.warps.0),
     ("MOE_LARGE_WN", moe::LARGE.warps.1),
     ("MOE_LARGE_STAGES", moe::LARGE.stages),
+    ("QUANT_ROWS", quant::GEMV_ROWS),
 ];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;
@@ -165,6 +167,9 @@ pub struct CudaBackend {
     /// Kernels are launched with programmatic stream serialization (sm_90 and later, unless
     /// `INGOT_CUDA_PDL=0`).
     dependent_launch: bool,
+    /// f16 scratch that products of many rows dequantize a GGUF-block matrix into
+    /// (`quant.rs`), as large as the largest such matrix allocated.
+    dequantized: Mutex<Option<CudaBuffer>>,
 }
 
 /// Suffix of kernels instantiated per element type.
@@ -214,8 +219,9 @@ macro_rules! launch {
     }};
 }
 
-// After `launch!`, which it uses.
+// After `launch!`, which they use.
 mod moe;
+mod quant;
 
 impl CudaBackend {
     /// Opens GPU `ordinal`: loads the libraries, compiles (or reads the cached) kernels
@@ -269,6 +275,7 @@ impl CudaBackend {
             name,
             sm_count,
             dependent_launch,
+            dequantized: Mutex::new(None),
         })
     }
 
@@ -561,7 +568,6 @@ impl CudaBackend {
         out: MatmulOut<'_, Self>,
         accumulate: bool,
     ) {
-        assert_eq!(x.dtype, w.dtype, "matmul operands must share a dtype");
         assert_eq!(w.numel, n * k, "weight is not [{n}, {k}]");
         let MatmulOut {
             buf,
@@ -575,6 +581,15 @@ impl CudaBackend {
         if m == 0 {
             return;
         }
+        if w.dtype.is_quantized() {
+            let out = MatmulOut {
+                buf,
+                row_stride: ld,
+                col_offset,
+            };
+            return self.quantized_product(x, w, bias, m, n, k, out, accumulate);
+        }
+        assert_eq!(x.dtype, w.dtype, "matmul operands must share a dtype");
         if self.gemv_fits(x, w, m, k, bias) {
             let out = MatmulOut {
                 buf,
@@ -714,8 +729,18 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// cuBLASLt multiplies matrices of the activation dtype.
-    fn weight_dtype(&self, _stored: DType, activation: DType) -> DType {
+    /// cuBLASLt multiplies matrices of the activation dtype; with f16 activations the
+    /// [`quant::KEPT`] block formats stay as they are.
+    fn weight_dtype(&self, stored: DType, activation: DType) -> DType {
+        if activation == DType::F16 && quant::KEPT.contains(&stored) {
+            stored
+        } else {
+            activation
+        }
+    }
+
+    /// The expert kernels read matrices of the activation dtype.
+    fn expert_weight_dtype(&self, _stored: DType, activation: DType) -> DType {
         activation
     }
 
@@ -730,9 +755,12 @@ impl Backend for CudaBackend {
 
     fn alloc(&self, dtype: DType, numel: usize) -> Result<CudaBuffer> {
         ensure!(
-            !dtype.is_quantized(),
-            "the CUDA backend keeps no {dtype} buffers (quantized weights are converted at load)"
+            !dtype.is_quantized() || quant::KEPT.contains(&dtype),
+            "the CUDA backend keeps no {dtype} buffers (such weights are converted at load)"
         );
+        if dtype.is_quantized() {
+            self.reserve_dequantized(numel)?;
+        }
         let bytes = dtype.bytes_for(numel).max(1);
         let slice = self
             .stream
@@ -756,6 +784,9 @@ impl Backend for CudaBackend {
         );
         if bytes.is_empty() {
             return Ok(());
+        }
+        if dst.dtype.is_quantized() {
+            return self.upload_blocks(dst, bytes);
         }
         let mut view = dst.slice.slice_mut(..bytes.len());
         self.stream.memcpy_htod(bytes, &mut view)?;
@@ -868,11 +899,14 @@ impl Backend for CudaBackend {
         vocab_rows: std::ops::Range<usize>,
         out: &mut CudaBuffer,
     ) {
-        assert_eq!(table.dtype, out.dtype, "embedding table and output dtypes");
         assert!(
             vocab_rows.len() * dim <= table.numel,
             "embedding table too small"
         );
+        if table.dtype.is_quantized() {
+            return self.quantized_embedding(table, ids, n, dim, vocab_rows, out);
+        }
+        assert_eq!(table.dtype, out.dtype, "embedding table and output dtypes");
         let (t, i, d, o) = (table.ptr, ids.ptr, dim as i32, out.ptr);
         let (first, rows) = (vocab_rows.start as i32, vocab_rows.len() as i32);
         launch!(self, format!("embedding_{}", suffix(out.dtype)), (n as u32, 1, 1), row_threads(dim).min(256); t, i, first, rows, d, o);

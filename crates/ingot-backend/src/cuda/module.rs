@@ -12,13 +12,14 @@ use std::sync::{Arc, Mutex};
 const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// Each program compiles on its own thread; `common.cuh` is prepended to each.
-pub const PROGRAMS: [(&str, &str); 6] = [
+pub const PROGRAMS: [(&str, &str); 7] = [
     ("elementwise", include_str!("kernels/elementwise.cu")),
     ("attention", include_str!("kernels/attention.cu")),
     ("sampling", include_str!("kernels/sampling.cu")),
     ("gemv", include_str!("kernels/gemv.cu")),
     ("tma_product", include_str!("kernels/tma_product.cu")),
     ("moe", include_str!("kernels/moe.cu")),
+    ("quant", include_str!("kernels/quant.cu")),
 ];
 
 /// The program that defines kernel `name` (an index into [`PROGRAMS`]), from the name's
@@ -34,6 +35,8 @@ fn program_of(name: &str) -> usize {
         4
     } else if name.starts_with("moe_") {
         5
+    } else if name.starts_with("quant_") {
+        6
     } else {
         0
     }

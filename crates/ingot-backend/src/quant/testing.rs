@@ -6,6 +6,17 @@ use half::f16;
 /// A random row of `n` elements in `dtype`: random quant bytes with scales in a sane range,
 /// so every code path of the format (high bits, negative scales, mins) is exercised.
 pub fn random_quant_row(dtype: DType, n: usize, rng: &mut impl rand::Rng) -> Vec<u8> {
+    random_quant_row_scaled(dtype, n, 0.05, rng)
+}
+
+/// [`random_quant_row`] with block scales (and mins) in `-max_scale..max_scale`: products
+/// of long rows stay inside f16's range where the scale shrinks with the row length.
+pub fn random_quant_row_scaled(
+    dtype: DType,
+    n: usize,
+    max_scale: f32,
+    rng: &mut impl rand::Rng,
+) -> Vec<u8> {
     let mut bytes: Vec<u8> = (0..dtype.bytes_for(n))
         .map(|_| rng.random::<u8>())
         .collect();
@@ -18,7 +29,7 @@ pub fn random_quant_row(dtype: DType, n: usize, rng: &mut impl rand::Rng) -> Vec
     };
     for block in bytes.chunks_exact_mut(bb) {
         for &at in scale_at {
-            let v = rng.random::<f32>() * 0.1 - 0.05;
+            let v = (rng.random::<f32>() * 2.0 - 1.0) * max_scale;
             block[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
         }
     }

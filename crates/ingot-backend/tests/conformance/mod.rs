@@ -12,7 +12,7 @@
 use half::{bf16, f16};
 use ingot_backend::cpu::CpuBackend;
 use ingot_backend::quant::dequantize_row;
-use ingot_backend::quant::testing::random_quant_row;
+use ingot_backend::quant::testing::random_quant_row_scaled;
 use ingot_backend::sampling;
 use ingot_backend::{
     AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, MlpScratch, QkvLayout,
@@ -74,14 +74,15 @@ fn bytes(v: &[f32], dtype: DType) -> Vec<u8> {
 }
 
 /// A random `[rows, k]` matrix in `dtype` as uploaded and as f32 values: floats of about
-/// 1/√k rounded to the dtype, or random GGUF blocks and their dequantization. `None` where
-/// `k` is not whole blocks of the dtype.
+/// 1/√k rounded to the dtype, or random GGUF blocks whose scales shrink as 1/√k (so that
+/// f16 activations do not overflow) and their dequantization. `None` where `k` is not
+/// whole blocks of the dtype.
 fn matrix(rng: &mut StdRng, dtype: DType, rows: usize, k: usize) -> Option<(Vec<u8>, Vec<f32>)> {
     if !k.is_multiple_of(dtype.block_len()) {
         return None;
     }
     if dtype.is_quantized() {
-        let data = random_quant_row(dtype, rows * k, rng);
+        let data = random_quant_row_scaled(dtype, rows * k, 0.05 / (k as f32).sqrt(), rng);
         let mut values = vec![0.0; rows * k];
         dequantize_row(dtype, &data, &mut values);
         return Some((data, values));

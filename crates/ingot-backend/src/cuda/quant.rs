@@ -1,0 +1,178 @@
+//! GGUF blocks kept on the device (`kernels/quant.cu`): Q8_0, Q4_0 and Q4_1 matrices stay
+//! quantized, so a model takes about its file's size in GPU memory. At upload each buffer's
+//! blocks are split into two runs, every block's quants and then every block's scale (and
+//! minimum), so that the kernels read both in whole 16-byte pieces (the file's 18-, 20- and
+//! 34-byte blocks cannot be). Products of up to [`GEMV_MAX_ROWS`] rows (decode) read the
+//! blocks once and dequantize them in registers; larger ones (prefill, larger decode batches)
+//! dequantize the matrix into an f16 scratch buffer and run as f16 products (cuBLASLt,
+//! `tma_product`). Activations are f16.
+
+use super::{suffix, CudaBackend, CudaBuffer};
+use crate::{DType, MatmulOut};
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::DevicePtr;
+
+/// The block formats kept as they are; other formats become f16 at load.
+pub const KEPT: [DType; 3] = [DType::Q8_0, DType::Q4_0, DType::Q4_1];
+/// Most rows a product runs through `quant_gemv` (the kernels are instantiated for 1 to 4).
+pub const GEMV_MAX_ROWS: usize = 4;
+/// Rows of the matrix one `quant_gemv` block computes (QUANT_ROWS): each activation value it
+/// reads serves that many weight rows.
+pub const GEMV_ROWS: usize = 4;
+/// Threads of the kernels' blocks (QUANT_THREADS).
+const THREADS: u32 = 256;
+
+/// The kernels' name for format `dtype`.
+fn format(dtype: DType) -> &'static str {
+    match dtype {
+        DType::Q8_0 => "q8_0",
+        DType::Q4_0 => "q4_0",
+        DType::Q4_1 => "q4_1",
+        other => panic!("no CUDA kernels for {other} blocks"),
+    }
+}
+
+/// Bytes of a block's scale (and minimum), which lead its GGUF block; its quants follow.
+fn scale_bytes(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4_1 => 4,
+        _ => 2,
+    }
+}
+
+/// Blocks a buffer of `dtype` holding `numel` values has room for.
+fn capacity(buf: &CudaBuffer) -> i64 {
+    (buf.numel / buf.dtype.block_len()) as i64
+}
+
+impl CudaBackend {
+    /// Grows the f16 scratch that larger products dequantize a matrix of `numel` elements
+    /// into. Called as quantized matrices are allocated (at load), so that no product has to
+    /// allocate, which a recorded step could not.
+    pub(super) fn reserve_dequantized(&self, numel: usize) -> Result<()> {
+        let mut scratch = self.dequantized.lock().unwrap_or_else(|p| p.into_inner());
+        if scratch
+            .as_ref()
+            .is_some_and(|s| s.slice.len() >= DType::F16.bytes_for(numel))
+        {
+            return Ok(());
+        }
+        *scratch = None;
+        let bytes = DType::F16.bytes_for(numel);
+        let slice = self.stream.alloc_zeros::<u8>(bytes).with_context(|| {
+            format!(
+                "allocating {bytes} bytes on {} to dequantize into",
+                self.name
+            )
+        })?;
+        let ptr = slice.device_ptr(&self.stream).0;
+        *scratch = Some(CudaBuffer {
+            slice,
+            ptr,
+            dtype: DType::F16,
+            numel,
+        });
+        Ok(())
+    }
+
+    /// Uploads GGUF blocks (the file's layout) into the start of `dst`, repacked: their
+    /// quants at the buffer's start, their scales after the quants of all the blocks the
+    /// buffer has room for.
+    pub(super) fn upload_blocks(&self, dst: &mut CudaBuffer, bytes: &[u8]) -> Result<()> {
+        let (bb, sc) = (dst.dtype.block_bytes(), scale_bytes(dst.dtype));
+        ensure!(
+            bytes.len().is_multiple_of(bb),
+            "upload of {} bytes: not whole {} blocks",
+            bytes.len(),
+            dst.dtype
+        );
+        let blocks = bytes.len() / bb;
+        let mut quants = Vec::with_capacity(blocks * (bb - sc));
+        let mut scales = Vec::with_capacity(blocks * sc);
+        for block in bytes.chunks_exact(bb) {
+            scales.extend_from_slice(&block[..sc]);
+            quants.extend_from_slice(&block[sc..]);
+        }
+        let scales_at = capacity(dst) as usize * (bb - sc);
+        let mut view = dst.slice.slice_mut(..quants.len());
+        self.stream.memcpy_htod(&quants, &mut view)?;
+        let mut view = dst.slice.slice_mut(scales_at..scales_at + scales.len());
+        self.stream.memcpy_htod(&scales, &mut view)?;
+        Ok(())
+    }
+
+    /// `out (+)= x · wᵀ (+ bias)` for a matrix `w` of GGUF blocks and f16 activations `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn quantized_product(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: MatmulOut<'_, Self>,
+        accumulate: bool,
+    ) {
+        assert_eq!(
+            x.dtype,
+            DType::F16,
+            "{} weights take f16 activations",
+            w.dtype
+        );
+        assert!(bias.is_none_or(|b| b.dtype == DType::F32), "biases are f32");
+        if m <= GEMV_MAX_ROWS {
+            let o = out.buf.at(out.col_offset);
+            let (xp, wp, nb) = (x.ptr, w.ptr, capacity(w));
+            let (nn, kk, ldl) = (n as i32, k as i32, out.row_stride as i64);
+            let (bp, acc) = (bias.map_or(0, |b| b.ptr), i32::from(accumulate));
+            let name = format!(
+                "quant_gemv_{}_{}_m{m}",
+                format(w.dtype),
+                suffix(out.buf.dtype)
+            );
+            launch!(self, name, label = format!("quant_gemv {} m{m} n{n} k{k}", w.dtype),
+                (n.div_ceil(GEMV_ROWS) as u32, 1, 1), THREADS;
+                xp, wp, nb, bp, nn, kk, o, ldl, acc);
+            return;
+        }
+        let mut scratch = self.dequantized.lock().unwrap_or_else(|p| p.into_inner());
+        let scratch = scratch
+            .as_mut()
+            .filter(|s| s.slice.len() >= DType::F16.bytes_for(n * k))
+            .expect("the dequantizing scratch is reserved as quantized matrices are allocated");
+        // It now holds this matrix, which the f16 product checks its shape against.
+        scratch.numel = n * k;
+        let (wp, blocks, sp) = (w.ptr, capacity(w), scratch.ptr);
+        // A thread a half block.
+        launch!(self, format!("quant_dequantize_{}", format(w.dtype)),
+            label = format!("quant_dequantize {} n{n} k{k}", w.dtype),
+            ((2 * blocks as u64).div_ceil(THREADS as u64) as u32, 1, 1), THREADS;
+            wp, blocks, sp);
+        self.product(x, scratch, bias, m, n, k, out, accumulate);
+    }
+
+    /// [`crate::Backend::embedding`] from a table of GGUF blocks, into f16 rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn quantized_embedding(
+        &self,
+        table: &CudaBuffer,
+        ids: &CudaBuffer,
+        n: usize,
+        dim: usize,
+        vocab_rows: std::ops::Range<usize>,
+        out: &mut CudaBuffer,
+    ) {
+        assert_eq!(
+            out.dtype,
+            DType::F16,
+            "{} tables give f16 rows",
+            table.dtype
+        );
+        let (t, nb, i, d, o) = (table.ptr, capacity(table), ids.ptr, dim as i32, out.ptr);
+        let (first, rows) = (vocab_rows.start as i32, vocab_rows.len() as i32);
+        // A thread a half block.
+        let threads = (2 * dim / table.dtype.block_len()).div_ceil(32).clamp(1, 8) as u32 * 32;
+        launch!(self, format!("quant_embedding_{}", format(table.dtype)), (n as u32, 1, 1), threads; t, nb, i, first, rows, d, o);
+    }
+}
