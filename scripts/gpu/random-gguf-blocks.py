@@ -1,9 +1,9 @@
 """Writes a GGUF of random Llama-shaped weights in a GGUF block format, without a tokenizer
 (as ../shared/tools/llamacpp-cuda-peer/random_gguf.py writes f16 ones), for speed runs of
 the CUDA backend's block kernels without llama.cpp's build: the matrices are random values
-of about 0.02 quantized by gguf-py, the output projection stays f16 (llama-quantize makes it
-Q6_K, which ingot's CUDA backend converts to f16 at load).
-Usage: random-gguf-blocks.py OUT.gguf Q4_0|Q4_1|Q8_0 [8b|tiny]
+of about 0.02 quantized by gguf-py (Q4_0, Q4_1, Q8_0), or random K-quant blocks with a
+small d (Q4_K, Q6_K, which gguf-py cannot quantize); the output projection stays f16.
+Usage: random-gguf-blocks.py OUT.gguf Q4_0|Q4_1|Q8_0|Q4_K|Q6_K [8b|tiny]
 One random matrix per shape is reused across layers. Needs numpy and gguf-py."""
 import sys
 import numpy as np
@@ -20,8 +20,19 @@ def r(*shape):
     return rng.standard_normal(shape, dtype=np.float32) * 0.02
 
 
-def q(*shape):
-    return quantize(r(*shape), qtype)
+# Where a K-quant block keeps its f16 scales (d, and Q4_K's dmin), and its size.
+K_SCALES = {"Q4_K": ([0, 2], 144), "Q6_K": ([208], 210)}
+
+
+def q(rows, cols):
+    if kind not in K_SCALES:
+        return quantize(r(rows, cols), qtype)
+    at, size = K_SCALES[kind]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    d = np.frombuffer(np.float16(1e-4).tobytes(), dtype=np.uint8)
+    for a in at:
+        blocks[:, :, a:a + 2] = d
+    return blocks.reshape(rows, -1)
 
 
 if size == "8b":

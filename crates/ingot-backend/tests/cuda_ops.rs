@@ -1,6 +1,7 @@
 //! The conformance suite (`conformance/mod.rs`) on the CUDA backend: activations, weights
 //! and caches in f32, f16 and bf16 (weights in the activation dtype, as cuBLASLt takes
-//! them), and the GGUF blocks the backend keeps (Q8_0, Q4_0, Q4_1) under f16 activations.
+//! them), and the GGUF blocks the backend keeps (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) under f16
+//! activations.
 //!
 //! These need an NVIDIA GPU: run with `--ignored` on the GPU machine (scripts/gpu/run).
 #![cfg(feature = "cuda")]
@@ -20,7 +21,15 @@ const DTYPES: Dtypes = Dtypes {
 /// The GGUF blocks the backend keeps, which run under f16 activations.
 const BLOCK_DTYPES: Dtypes = Dtypes {
     activations: &[DType::F16],
-    weights: |_| vec![DType::Q8_0, DType::Q4_0, DType::Q4_1],
+    weights: |_| {
+        vec![
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4K,
+            DType::Q6K,
+        ]
+    },
     caches: |_| vec![DType::F16],
 };
 

@@ -4,8 +4,8 @@
 //!
 //! Activations run in the model's dtype (bf16, f16, or f32 for exact comparisons) with f32
 //! accumulation everywhere; matrices are kept in the activation dtype, or as GGUF Q8_0,
-//! Q4_0 and Q4_1 blocks with f16 activations (`quant.rs`; other block formats are
-//! dequantized at load); the KV cache may be f32, f16 or bf16.
+//! Q4_0, Q4_1, Q4_K and Q6_K blocks with f16 activations (`quant.rs`; Q5_K is dequantized at
+//! load); the KV cache may be f32, f16 or bf16.
 
 mod gemm;
 mod library;

@@ -1,8 +1,8 @@
-//! GGUF blocks kept on the device (`kernels/quant.cu`): Q8_0, Q4_0 and Q4_1 matrices stay
-//! quantized, so a model takes about its file's size in GPU memory. At upload each buffer's
-//! blocks are split into two runs, every block's quants and then every block's scale (and
-//! minimum), so that the kernels read both in whole 16-byte pieces (the file's 18-, 20- and
-//! 34-byte blocks cannot be). Products of up to [`GEMV_MAX_ROWS`] rows (decode) read the
+//! GGUF blocks kept on the device (`kernels/quant.cu`): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+//! matrices stay quantized, so a model takes about its file's size in GPU memory (a Q4_K_M
+//! file mixes Q4_K and Q6_K). At upload each buffer's blocks are split into two runs, every
+//! block's quants and then every block's scales, so that the kernels read the quants in
+//! whole 16-byte pieces (the file's 18-, 20-, 34- and 210-byte blocks cannot be). Products of up to [`GEMV_MAX_ROWS`] rows (decode) read the
 //! blocks once and dequantize them in registers; larger ones (prefill, larger decode batches)
 //! dequantize the matrix into an f16 scratch buffer and run as f16 products (cuBLASLt,
 //! `tma_product`). Activations are f16.
@@ -12,8 +12,14 @@ use crate::{DType, MatmulOut};
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::DevicePtr;
 
-/// The block formats kept as they are; other formats become f16 at load.
-pub const KEPT: [DType; 3] = [DType::Q8_0, DType::Q4_0, DType::Q4_1];
+/// The block formats kept as they are; other formats (Q5_K) become f16 at load.
+pub const KEPT: [DType; 5] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q4K,
+    DType::Q6K,
+];
 /// Most rows a product runs through `quant_gemv` (the kernels are instantiated for 1 to 4).
 pub const GEMV_MAX_ROWS: usize = 4;
 /// Rows of the matrix one `quant_gemv` block computes (QUANT_ROWS): each activation value it
@@ -28,15 +34,30 @@ fn format(dtype: DType) -> &'static str {
         DType::Q8_0 => "q8_0",
         DType::Q4_0 => "q4_0",
         DType::Q4_1 => "q4_1",
+        DType::Q4K => "q4_k",
+        DType::Q6K => "q6_k",
         other => panic!("no CUDA kernels for {other} blocks"),
     }
 }
 
-/// Bytes of a block's scale (and minimum), which lead its GGUF block; its quants follow.
-fn scale_bytes(dtype: DType) -> usize {
+/// Where a GGUF block of `dtype` keeps its scales (and minimums) and its quants: the two
+/// runs the upload splits blocks into.
+fn block_layout(dtype: DType) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
     match dtype {
-        DType::Q4_1 => 4,
-        _ => 2,
+        DType::Q8_0 => (0..2, 2..34),
+        DType::Q4_0 => (0..2, 2..18),
+        DType::Q4_1 => (0..4, 4..20),
+        DType::Q4K => (0..16, 16..144),
+        DType::Q6K => (192..210, 0..192),
+        other => panic!("no CUDA kernels for {other} blocks"),
+    }
+}
+
+/// Threads a block of `dtype` is read by in the kernels (PARTS).
+fn parts(dtype: DType) -> usize {
+    match dtype.block_len() {
+        32 => 2,
+        _ => 8,
     }
 }
 
@@ -79,7 +100,7 @@ impl CudaBackend {
     /// quants at the buffer's start, their scales after the quants of all the blocks the
     /// buffer has room for.
     pub(super) fn upload_blocks(&self, dst: &mut CudaBuffer, bytes: &[u8]) -> Result<()> {
-        let (bb, sc) = (dst.dtype.block_bytes(), scale_bytes(dst.dtype));
+        let (bb, (sc, qs)) = (dst.dtype.block_bytes(), block_layout(dst.dtype));
         ensure!(
             bytes.len().is_multiple_of(bb),
             "upload of {} bytes: not whole {} blocks",
@@ -87,13 +108,13 @@ impl CudaBackend {
             dst.dtype
         );
         let blocks = bytes.len() / bb;
-        let mut quants = Vec::with_capacity(blocks * (bb - sc));
-        let mut scales = Vec::with_capacity(blocks * sc);
+        let mut quants = Vec::with_capacity(blocks * qs.len());
+        let mut scales = Vec::with_capacity(blocks * sc.len());
         for block in bytes.chunks_exact(bb) {
-            scales.extend_from_slice(&block[..sc]);
-            quants.extend_from_slice(&block[sc..]);
+            scales.extend_from_slice(&block[sc.clone()]);
+            quants.extend_from_slice(&block[qs.clone()]);
         }
-        let scales_at = capacity(dst) as usize * (bb - sc);
+        let scales_at = capacity(dst) as usize * qs.len();
         let mut view = dst.slice.slice_mut(..quants.len());
         self.stream.memcpy_htod(&quants, &mut view)?;
         let mut view = dst.slice.slice_mut(scales_at..scales_at + scales.len());
@@ -144,10 +165,10 @@ impl CudaBackend {
         // It now holds this matrix, which the f16 product checks its shape against.
         scratch.numel = n * k;
         let (wp, blocks, sp) = (w.ptr, capacity(w), scratch.ptr);
-        // A thread a half block.
+        let threads = blocks as u64 * parts(w.dtype) as u64;
         launch!(self, format!("quant_dequantize_{}", format(w.dtype)),
             label = format!("quant_dequantize {} n{n} k{k}", w.dtype),
-            ((2 * blocks as u64).div_ceil(THREADS as u64) as u32, 1, 1), THREADS;
+            (threads.div_ceil(THREADS as u64) as u32, 1, 1), THREADS;
             wp, blocks, sp);
         self.product(x, scratch, bias, m, n, k, out, accumulate);
     }
@@ -171,8 +192,8 @@ impl CudaBackend {
         );
         let (t, nb, i, d, o) = (table.ptr, capacity(table), ids.ptr, dim as i32, out.ptr);
         let (first, rows) = (vocab_rows.start as i32, vocab_rows.len() as i32);
-        // A thread a half block.
-        let threads = (2 * dim / table.dtype.block_len()).div_ceil(32).clamp(1, 8) as u32 * 32;
+        let parts = parts(table.dtype) * dim / table.dtype.block_len();
+        let threads = parts.div_ceil(32).clamp(1, 8) as u32 * 32;
         launch!(self, format!("quant_embedding_{}", format(table.dtype)), (n as u32, 1, 1), threads; t, nb, i, first, rows, d, o);
     }
 }

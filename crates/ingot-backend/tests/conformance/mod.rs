@@ -82,7 +82,11 @@ fn matrix(rng: &mut StdRng, dtype: DType, rows: usize, k: usize) -> Option<(Vec<
         return None;
     }
     if dtype.is_quantized() {
-        let data = random_quant_row_scaled(dtype, rows * k, 0.05 / (k as f32).sqrt(), rng);
+        // Q6_K's signed 8-bit sub-block scales make its values about 8 times those of the
+        // other formats at the same d.
+        let spread = if dtype == DType::Q6K { 8.0 } else { 1.0 };
+        let scale = 0.05 / (k as f32).sqrt() / spread;
+        let data = random_quant_row_scaled(dtype, rows * k, scale, rng);
         let mut values = vec![0.0; rows * k];
         dequantize_row(dtype, &data, &mut values);
         return Some((data, values));
