@@ -56,6 +56,14 @@ impl Tokenizer {
                 // Dummy weights make no text worth reading; ids still need a decoder.
                 Tokenizer::new(word_level(config.vocab_size)?, vec![], None, None, None)
             }
+            Checkpoint::Gguf { file, .. }
+                if file.get("tokenizer.ggml.model").and_then(Value::as_str) == Some("none") =>
+            {
+                // llama.cpp's mark of a file without a vocabulary (its random benchmark
+                // files): ids of the model's vocabulary, decoded as placeholder words.
+                let vocab = ckpt.config()?.vocab_size;
+                Tokenizer::new(word_level(vocab)?, vec![], None, None, None)
+            }
             Checkpoint::Gguf { file, .. } => from_gguf(file),
         }
     }

@@ -2,14 +2,15 @@
 //! (`qwen3moe`) and Mixtral (a `llama` with experts, q/k rows permuted for llama.cpp's
 //! RoPE) converted to GGUF, each layer's experts stacked in `ffn_{gate,up,down}_exps`, give
 //! the logits of their safetensors directories bit for bit; experts kept as GGUF blocks load
-//! as blocks on the CPU.
+//! as blocks on the CPU; a file marked as having no vocabulary (llama.cpp's random
+//! benchmark files) loads with ids alone.
 
 use ingot_backend::cpu::CpuBackend;
 use ingot_backend::DType;
 use ingot_model::reference::ReferenceModel;
 use ingot_model::synthetic::SyntheticSpec;
 use ingot_model::weights::Mlp;
-use ingot_model::{Arch, Checkpoint, WeightDType};
+use ingot_model::{Arch, Checkpoint, Tokenizer, WeightDType};
 use rand::SeedableRng;
 use safetensors::SafeTensors;
 use std::collections::BTreeMap;
@@ -137,6 +138,17 @@ fn gguf_name(hf: &str) -> (String, Option<usize>) {
 /// Converts the f32 safetensors model `spec` wrote in `dir` to `out` as llama.cpp lays out
 /// a GGUF; with `blocks`, each expert stack becomes random Q8_0 blocks of its shape.
 fn write_gguf(spec: &SyntheticSpec, dir: &Path, out: &Path, blocks: bool) {
+    write_gguf_with(spec, dir, out, blocks, &[]);
+}
+
+/// [`write_gguf`] with `extra` metadata.
+fn write_gguf_with(
+    spec: &SyntheticSpec,
+    dir: &Path,
+    out: &Path,
+    blocks: bool,
+    extra: &[(&str, &'static str)],
+) {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let (experts, per_token, width) = spec.experts.unwrap();
@@ -218,6 +230,7 @@ fn write_gguf(spec: &SyntheticSpec, dir: &Path, out: &Path, blocks: bool) {
     if !llama {
         meta.push((key("expert_feed_forward_length"), Meta::U32(width as u32)));
     }
+    meta.extend(extra.iter().map(|&(k, v)| (k.to_string(), Meta::Str(v))));
     std::fs::write(out, gguf_bytes(&meta, &tensors)).unwrap();
 }
 
@@ -279,6 +292,39 @@ fn quantized_experts_stay_blocks_on_the_cpu() {
     assert_eq!(
         (moe.gate_up.dtype(), moe.down.dtype()),
         (DType::Q8_0, DType::Q8_0)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// llama.cpp writes `tokenizer.ggml.model = "none"` into files without a vocabulary (its
+/// random benchmark files): ingot loads them with a tokenizer of the model's vocabulary
+/// size, as it does dummy weights, so one file serves both engines' benchmarks; a file with
+/// no tokenizer metadata at all is still an error.
+#[test]
+fn a_gguf_without_a_vocabulary_loads_with_ids_alone() {
+    let spec = SyntheticSpec::tiny(Arch::Qwen3Moe);
+    let dir = temp("none");
+    spec.write(&dir).unwrap();
+    let (none, missing) = (dir.join("none.gguf"), dir.join("missing.gguf"));
+    write_gguf_with(
+        &spec,
+        &dir,
+        &none,
+        false,
+        &[("tokenizer.ggml.model", "none")],
+    );
+    write_gguf(&spec, &dir, &missing, false);
+    let tok = Tokenizer::from_checkpoint(&Checkpoint::open(&none).unwrap()).unwrap();
+    assert_eq!(tok.vocab_size(), spec.vocab_size);
+    let ids = [3, 7, spec.vocab_size as u32 - 1];
+    let text = tok.decode(&ids, false).unwrap();
+    assert_eq!(tok.encode(&text, false).unwrap(), ids);
+    let err = Tokenizer::from_checkpoint(&Checkpoint::open(&missing).unwrap())
+        .err()
+        .expect("no tokenizer metadata");
+    assert!(
+        format!("{err:#}").contains("tokenizer.ggml.model"),
+        "{err:#}"
     );
     std::fs::remove_dir_all(&dir).ok();
 }
