@@ -197,3 +197,46 @@ impl CudaBackend {
         launch!(self, format!("quant_embedding_{}", format(table.dtype)), (n as u32, 1, 1), threads; t, nb, i, first, rows, d, o);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{block_layout, format, parts, KEPT};
+
+    /// The upload's split of each format's blocks and the kernels' reading of it
+    /// (`Block<F>` in quant.cu: values, quant and scale bytes, lanes a block) agree, and the
+    /// two runs cover the whole GGUF block.
+    #[test]
+    fn block_layouts_match_the_kernels() {
+        let source = include_str!("kernels/quant.cu");
+        for dtype in KEPT {
+            let tag = format(dtype).to_uppercase();
+            let line = source
+                .lines()
+                .find(|l| l.starts_with(&format!("template <> struct Block<{tag}>")))
+                .unwrap_or_else(|| panic!("quant.cu has no Block<{tag}>"));
+            let constant = |name: &str| -> usize {
+                let at = line.find(&format!(" {name} = ")).expect(name) + name.len() + 4;
+                let digits: String = line[at..]
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect();
+                digits.parse().unwrap()
+            };
+            let (scales, quants) = block_layout(dtype);
+            assert_eq!(constant("QK"), dtype.block_len(), "{dtype}: values a block");
+            assert_eq!(constant("QS"), quants.len(), "{dtype}: quant bytes");
+            assert_eq!(constant("SC"), scales.len(), "{dtype}: scale bytes");
+            assert_eq!(constant("PARTS"), parts(dtype), "{dtype}: lanes a block");
+            assert_eq!(
+                constant("PARTS") * constant("VALS"),
+                dtype.block_len(),
+                "{dtype}: the parts cover the block"
+            );
+            let mut covered = [scales, quants];
+            covered.sort_by_key(|r| r.start);
+            assert_eq!(covered[0].start, 0, "{dtype}");
+            assert_eq!(covered[0].end, covered[1].start, "{dtype}");
+            assert_eq!(covered[1].end, dtype.block_bytes(), "{dtype}");
+        }
+    }
+}
