@@ -46,23 +46,25 @@ impl Tokenizer {
         })
     }
 
+    /// Ids of a `vocab_size` vocabulary decoded as placeholder words, for checkpoints
+    /// without a vocabulary of their own.
+    fn ids_only(vocab_size: usize) -> Result<Tokenizer> {
+        Tokenizer::new(word_level(vocab_size)?, vec![], None, None, None)
+    }
+
     pub fn from_checkpoint(ckpt: &Checkpoint) -> Result<Tokenizer> {
         match ckpt {
             Checkpoint::Safetensors { dir, .. } => from_hf_dir(dir),
             Checkpoint::Dummy { dir, .. } if dir.join("tokenizer.json").exists() => {
                 from_hf_dir(dir)
             }
-            Checkpoint::Dummy { config, .. } => {
-                // Dummy weights make no text worth reading; ids still need a decoder.
-                Tokenizer::new(word_level(config.vocab_size)?, vec![], None, None, None)
-            }
+            // Dummy weights make no text worth reading; ids still need a decoder.
+            Checkpoint::Dummy { config, .. } => Tokenizer::ids_only(config.vocab_size),
+            // llama.cpp's mark of a file without a vocabulary (its random benchmark files).
             Checkpoint::Gguf { file, .. }
                 if file.get("tokenizer.ggml.model").and_then(Value::as_str) == Some("none") =>
             {
-                // llama.cpp's mark of a file without a vocabulary (its random benchmark
-                // files): ids of the model's vocabulary, decoded as placeholder words.
-                let vocab = ckpt.config()?.vocab_size;
-                Tokenizer::new(word_level(vocab)?, vec![], None, None, None)
+                Tokenizer::ids_only(ckpt.config()?.vocab_size)
             }
             Checkpoint::Gguf { file, .. } => from_gguf(file),
         }

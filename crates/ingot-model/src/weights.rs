@@ -487,20 +487,8 @@ impl<'a, B: Backend> Loader<'a, B> {
         self.stack(mats, in_features, norm, what, B::weight_dtype)
     }
 
-    /// [`Loader::linear`] for a mixture's expert matrices, in the dtypes the backend's
-    /// expert kernels read ([`Backend::expert_weight_dtype`]).
-    fn experts(
-        &mut self,
-        mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
-        in_features: usize,
-        norm: Option<&[f32]>,
-        what: &str,
-    ) -> Result<Linear<B>> {
-        self.stack(mats, in_features, norm, what, B::expert_weight_dtype)
-    }
-
     /// [`Loader::linear`] with `kept(backend, stored, activation)` the dtype each matrix is
-    /// kept in.
+    /// kept in ([`Backend::expert_weight_dtype`] for a mixture's experts).
     fn stack(
         &mut self,
         mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
@@ -692,8 +680,9 @@ impl<B: Backend> Weights<B> {
                         gate_up.push((l.require(Role::ExpertUp(e), i)?, None, ef));
                         down.push((l.require(Role::ExpertDown(e), i)?, None, d));
                     }
-                    let gate_up = l.experts(gate_up, d, ffn_fold, &what("experts' gate/up"))?;
-                    let down = l.experts(down, ef, None, &what("experts' down"))?;
+                    let kept = B::expert_weight_dtype;
+                    let gate_up = l.stack(gate_up, d, ffn_fold, &what("experts' gate/up"), kept)?;
+                    let down = l.stack(down, ef, None, &what("experts' down"), kept)?;
                     Mlp::Experts(MoeWeights {
                         router,
                         gate_up: expert_stack(gate_up, &what("experts' gate/up"))?,

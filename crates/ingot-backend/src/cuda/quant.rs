@@ -2,10 +2,10 @@
 //! matrices stay quantized, so a model takes about its file's size in GPU memory (a Q4_K_M
 //! file mixes Q4_K and Q6_K). At upload each buffer's blocks are split into two runs, every
 //! block's quants and then every block's scales, so that the kernels read the quants in
-//! whole 16-byte pieces (the file's 18-, 20-, 34- and 210-byte blocks cannot be). Products of up to [`GEMV_MAX_ROWS`] rows (decode) read the
-//! blocks once and dequantize them in registers; larger ones (prefill, larger decode batches)
-//! dequantize the matrix into an f16 scratch buffer and run as f16 products (cuBLASLt,
-//! `tma_product`). Activations are f16.
+//! whole 16-byte pieces (the file's 18-, 20-, 34- and 210-byte blocks cannot be). Products
+//! of up to [`GEMV_MAX_ROWS`] rows (decode) read the blocks once and dequantize them in
+//! registers; larger ones (prefill, larger decode batches) dequantize the matrix into an f16
+//! scratch buffer and run as f16 products (cuBLASLt, `tma_product`). Activations are f16.
 
 use super::{suffix, CudaBackend, CudaBuffer};
 use crate::{DType, MatmulOut};
@@ -78,6 +78,7 @@ impl CudaBackend {
         {
             return Ok(());
         }
+        // The smaller scratch goes first, so the two are never held at once.
         *scratch = None;
         let bytes = DType::F16.bytes_for(numel);
         let slice = self.stream.alloc_zeros::<u8>(bytes).with_context(|| {
