@@ -57,6 +57,15 @@ fn gguf_blocks_match_the_cpu() {
     conformance::row_ops_match_the_cpu(&g, &BLOCK_DTYPES);
 }
 
+/// Prefill products of a block matrix larger than the f16 scratch it is dequantized into,
+/// which run in runs of rows (apart from `gguf_blocks_match_the_cpu`, as memcheck takes long
+/// over a matrix of this size).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn large_block_products_match_the_cpu() {
+    conformance::large_matmul_matches_the_cpu(&gpu(), &BLOCK_DTYPES);
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn rope_qk_norm_and_kv_write_match_the_cpu() {

@@ -2,10 +2,13 @@
 //! matrices stay quantized, so a model takes about its file's size in GPU memory (a Q4_K_M
 //! file mixes Q4_K and Q6_K). At upload each buffer's blocks are split into two runs, every
 //! block's quants and then every block's scales, so that the kernels read the quants in
-//! whole 16-byte pieces (the file's 18-, 20-, 34- and 210-byte blocks cannot be). Products
-//! of up to [`GEMV_MAX_ROWS`] rows (decode) read the blocks once and dequantize them in
-//! registers; larger ones (prefill, larger decode batches) dequantize the matrix into an f16
-//! scratch buffer and run as f16 products (cuBLASLt, `tma_product`). Activations are f16.
+//! whole 16-byte pieces (the file's 18-, 20-, 34- and 210-byte blocks cannot be). Decode
+//! products read the blocks once and dequantize them in registers: one row on the CUDA
+//! cores (`quant_gemv`), up to 32 or [`MMA_MAX_ROWS`] rows ([`mma_max_rows`]) on tensor
+//! cores (`quant_mma`). Larger ones (prefill) dequantize the matrix, [`SCRATCH_VALUES`]
+//! values at a time, into an f16 scratch buffer and run as f16 products (cuBLASLt). The
+//! three paths sum in different orders, so a row's result depends on which one its step
+//! takes. Activations are f16.
 
 use super::{suffix, CudaBackend, CudaBuffer};
 use crate::{DType, MatmulOut};
@@ -20,11 +23,34 @@ pub const KEPT: [DType; 5] = [
     DType::Q4K,
     DType::Q6K,
 ];
-/// Most rows a product runs through `quant_gemv` (the kernels are instantiated for 1 to 4).
-pub const GEMV_MAX_ROWS: usize = 4;
+/// Most rows a product runs through `quant_gemv`: from two rows on `quant_mma` is faster
+/// (H100, random Llama-3.1-8B-shaped GGUF, decode tok/s with `quant_gemv` against
+/// `quant_mma`: Q4_0 B=1 253.7 against 215.6, B=4 537.9 against 811.0; Q4_K B=1 195.7
+/// against 160.4, B=4 294.7 against 615.9).
+pub const GEMV_MAX_ROWS: usize = 1;
 /// Rows of the matrix one `quant_gemv` block computes (QUANT_ROWS): each activation value it
 /// reads serves that many weight rows.
 pub const GEMV_ROWS: usize = 4;
+/// Most rows a product runs through `quant_mma` (8 rows an n8 tile, up to 8 tiles).
+pub const MMA_MAX_ROWS: usize = 64;
+/// Most rows a product of `dtype` blocks runs through `quant_mma`; larger ones take the f16
+/// scratch. At 33 to 64 rows the K-quants' separate dequantizing pass costs more than the
+/// tensor-core product's dequantization in registers, and the 32-value formats' less (H100,
+/// random Llama-3.1-8B-shaped GGUF, B=64 decode against the scratch: Q4_K 3,027 against
+/// 2,880 tok/s, Q4_0 3,124 against 3,798).
+fn mma_max_rows(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4K | DType::Q6K => MMA_MAX_ROWS,
+        _ => 32,
+    }
+}
+/// Rows of the matrix one `quant_mma` block computes (QMMA_ROWS: two m16 tiles).
+pub const MMA_ROWS: usize = 32;
+/// Warps of a `quant_mma` block (QMMA_WARPS), which split k between them.
+pub const MMA_WARPS: usize = 8;
+/// Values of the f16 scratch that larger products dequantize into (64 MiB): a matrix larger
+/// than that is multiplied in runs of rows, so the scratch does not grow with the model.
+pub const SCRATCH_VALUES: usize = 32 << 20;
 /// Threads of the kernels' blocks (QUANT_THREADS).
 const THREADS: u32 = 256;
 
@@ -68,9 +94,10 @@ fn capacity(buf: &CudaBuffer) -> i64 {
 
 impl CudaBackend {
     /// Grows the f16 scratch that larger products dequantize a matrix of `numel` elements
-    /// into. Called as quantized matrices are allocated (at load), so that no product has to
-    /// allocate, which a recorded step could not.
+    /// into, up to [`SCRATCH_VALUES`]. Called as quantized matrices are allocated (at load),
+    /// so that no product has to allocate, which a recorded step could not.
     pub(super) fn reserve_dequantized(&self, numel: usize) -> Result<()> {
+        let numel = numel.min(SCRATCH_VALUES);
         let mut scratch = self.dequantized.lock().unwrap_or_else(|p| p.into_inner());
         if scratch
             .as_ref()
@@ -143,35 +170,80 @@ impl CudaBackend {
             w.dtype
         );
         assert!(bias.is_none_or(|b| b.dtype == DType::F32), "biases are f32");
+        let (xp, wp, nb) = (x.ptr, w.ptr, capacity(w));
+        let (mm, nn, kk, ldl) = (m as i32, n as i32, k as i32, out.row_stride as i64);
+        let (bp, acc) = (bias.map_or(0, |b| b.ptr), i32::from(accumulate));
+        let (f, o) = (format(w.dtype), out.buf.at(out.col_offset));
         if m <= GEMV_MAX_ROWS {
-            let o = out.buf.at(out.col_offset);
-            let (xp, wp, nb) = (x.ptr, w.ptr, capacity(w));
-            let (nn, kk, ldl) = (n as i32, k as i32, out.row_stride as i64);
-            let (bp, acc) = (bias.map_or(0, |b| b.ptr), i32::from(accumulate));
-            let name = format!(
-                "quant_gemv_{}_{}_m{m}",
-                format(w.dtype),
-                suffix(out.buf.dtype)
-            );
+            let name = format!("quant_gemv_{f}_{}_m{m}", suffix(out.buf.dtype));
             launch!(self, name, label = format!("quant_gemv {} m{m} n{n} k{k}", w.dtype),
                 (n.div_ceil(GEMV_ROWS) as u32, 1, 1), THREADS;
                 xp, wp, nb, bp, nn, kk, o, ldl, acc);
             return;
         }
+        if m <= mma_max_rows(w.dtype) {
+            let tiles = [1, 2, 4, 8]
+                .into_iter()
+                .find(|t| 8 * t >= m)
+                .expect("m ≤ 64");
+            let name = format!("quant_mma_{f}_{}_n{tiles}", suffix(out.buf.dtype));
+            launch!(self, name, label = format!("quant_mma {} m{m} n{n} k{k}", w.dtype),
+                (n.div_ceil(MMA_ROWS) as u32, 1, 1), (32 * MMA_WARPS) as u32;
+                xp, wp, nb, bp, mm, nn, kk, o, ldl, acc);
+            return;
+        }
         let mut scratch = self.dequantized.lock().unwrap_or_else(|p| p.into_inner());
         let scratch = scratch
             .as_mut()
-            .filter(|s| s.slice.len() >= DType::F16.bytes_for(n * k))
             .expect("the dequantizing scratch is reserved as quantized matrices are allocated");
-        // It now holds this matrix, which the f16 product checks its shape against.
-        scratch.numel = n * k;
-        let (wp, blocks, sp) = (w.ptr, capacity(w), scratch.ptr);
-        let threads = blocks as u64 * parts(w.dtype) as u64;
-        launch!(self, format!("quant_dequantize_{}", format(w.dtype)),
-            label = format!("quant_dequantize {} n{n} k{k}", w.dtype),
-            (threads.div_ceil(THREADS as u64) as u32, 1, 1), THREADS;
-            wp, blocks, sp);
-        self.product(x, scratch, bias, m, n, k, out, accumulate);
+        let capacity_values = scratch.slice.len() / DType::F16.bytes_for(1);
+        // Runs of whole 256 rows keep every run's output columns as aligned as the first's.
+        let run_rows = if n * k <= capacity_values {
+            n
+        } else {
+            capacity_values / k / 256 * 256
+        };
+        assert!(
+            run_rows > 0,
+            "a row of {k} values does not fit the dequantizing scratch"
+        );
+        let row_blocks = (k / w.dtype.block_len()) as i64;
+        let whole = run_rows == n;
+        for first in (0..n).step_by(run_rows) {
+            let rows = run_rows.min(n - first);
+            // It now holds these rows, which the f16 product checks its shape against.
+            scratch.numel = rows * k;
+            let (start, count, sp) = (
+                first as i64 * row_blocks,
+                rows as i64 * row_blocks,
+                scratch.ptr,
+            );
+            let threads = count as u64 * parts(w.dtype) as u64;
+            launch!(self, format!("quant_dequantize_{f}"),
+                label = format!("quant_dequantize {} n{rows} k{k}", w.dtype),
+                (threads.div_ceil(THREADS as u64) as u32, 1, 1), THREADS;
+                wp, nb, start, count, sp);
+            let run_out = MatmulOut {
+                buf: &mut *out.buf,
+                row_stride: out.row_stride,
+                col_offset: out.col_offset + first,
+            };
+            // A bias is added in the product when there is one run, else after all of them.
+            self.product(
+                x,
+                scratch,
+                bias.filter(|_| whole),
+                m,
+                rows,
+                k,
+                run_out,
+                accumulate,
+            );
+        }
+        if let (false, Some(b)) = (whole, bias) {
+            let bp = b.ptr;
+            launch!(self, format!("bias_add_{}", suffix(out.buf.dtype)), (m as u32, 1, 1), 256; o, bp, nn, ldl);
+        }
     }
 
     /// [`crate::Backend::embedding`] from a table of GGUF blocks, into f16 rows.

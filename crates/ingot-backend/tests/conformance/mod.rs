@@ -641,6 +641,10 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
         (16, 96, 512),
         (11, 160, 768),
         (16, 4096, 1024),
+        (24, 96, 512),
+        (33, 40, 256),
+        (48, 131, 768),
+        (63, 64, 1024),
     ];
     for &dtype in d.activations {
         let mut outs = vec![dtype, DType::F32];
@@ -703,6 +707,62 @@ pub fn matmul_matches_the_cpu_and_writes_only_its_columns<G: Backend>(g: &G, d: 
                     check(&cols(&got), &cols(&want), worse(dtype, out_dtype), &what);
                 }
             }
+        }
+    }
+}
+
+/// A product of a matrix larger than a backend may dequantize at once (the CUDA backend's
+/// 64 MiB f16 scratch holds 32 Mi values; this one has 34.6 Mi), with many rows and a bias:
+/// multiplied in runs of rows, every run's columns written and the bias added once.
+pub fn large_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(21);
+    let (m, n, k) = (70, 8448, 4096);
+    for &dtype in d.activations {
+        for wd in (d.weights)(dtype) {
+            let x = round(&randn(&mut rng, m * k), dtype);
+            let (wdata, w) = matrix(&mut rng, wd, n, k).expect("k is whole blocks");
+            let b = randn(&mut rng, n);
+            let mut out = poisoned(g, dtype, m * n);
+            let gb = up(g, &b, DType::F32);
+            let whole = MatmulOut {
+                buf: &mut out,
+                row_stride: n,
+                col_offset: 0,
+            };
+            g.matmul(
+                &up(g, &x, dtype),
+                &up_raw(g, &wdata, wd, n * k),
+                Some(&gb),
+                m,
+                n,
+                k,
+                whole,
+            );
+            let mut want = c.alloc(DType::F32, m * n).unwrap();
+            let cb = up(&c, &b, DType::F32);
+            let whole = MatmulOut {
+                buf: &mut want,
+                row_stride: n,
+                col_offset: 0,
+            };
+            c.matmul(
+                &up(&c, &x, DType::F32),
+                &up(&c, &w, DType::F32),
+                Some(&cb),
+                m,
+                n,
+                k,
+                whole,
+            );
+            let got = g.download_f32(&out, m * n).unwrap();
+            let want = c.download_f32(&want, m * n).unwrap();
+            check(
+                &got,
+                &want,
+                dtype,
+                &format!("matmul {dtype}x{wd} m{m} n{n} k{k} bias"),
+            );
         }
     }
 }

@@ -211,6 +211,317 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
     }
 }
 
+// Products of 5 to 8 * NT rows on tensor cores, reading the blocks once: a block of
+// QMMA_WARPS warps computes QMMA_ROWS (two m16 tiles) weight rows for all the rows of x.
+// The warps take every QMMA_WARPS-th k-step of K_STEP values; in a k-step the four lanes t
+// of a weight row read 16-byte pieces that lie side by side (Piece below), so a warp reads
+// whole 64-byte runs of quants. Each piece is dequantized in registers, four values at a
+// time (a quad), into m16n8k16 A fragments of f16 values (Scales says how they round). A
+// lane's four values of a quad stand where the fragment wants k 2t,
+// 2t + 1, 2t + 8 and 2t + 9, and the lane's x fragment takes the same four k, so every
+// product is the dot product over k in some order. The warps' sums meet in shared memory in
+// warp order: a row's result does not depend on the other rows of its step.
+// A warp loads the next k-step's pieces while it multiplies one (PREFETCH), except Q6_K's,
+// whose three words a piece would not fit the registers twice.
+template <int F> struct Mma;
+template <> struct Mma<Q8_0> { static constexpr int K_STEP = 64, QUADS = 4; static constexpr bool PREFETCH = true; };
+template <> struct Mma<Q4_0> { static constexpr int K_STEP = 128, QUADS = 8; static constexpr bool PREFETCH = true; };
+template <> struct Mma<Q4_1> { static constexpr int K_STEP = 128, QUADS = 8; static constexpr bool PREFETCH = true; };
+template <> struct Mma<Q4_K> { static constexpr int K_STEP = 128, QUADS = 8; static constexpr bool PREFETCH = true; };
+template <> struct Mma<Q6_K> { static constexpr int K_STEP = 256, QUADS = 16; static constexpr bool PREFETCH = false; };
+
+// Lane t's share of one weight row in one k-step, as loaded: quant words and the raw scale
+// bits they need (converted only when used, so the loads of the next k-step stay in flight
+// while this one is multiplied).
+//   Q8_0: half t % 2 of block 2s + t / 2; q[0] its 16 quants, sc.x its d.
+//   Q4_0, Q4_1: block 4s + t; q[0] its 16 bytes, sc.x its d (and m).
+//   Q4_K: piece p = 4 (s % 2) + t of block s / 2 (bytes 16p..16p + 15: group p / 2, half
+//     p % 2); q[0] the piece, sc the block's 16 scale bytes, d the group's first sub-block.
+//   Q6_K: block s, half t / 2, h = t % 2: q[0] and q[1] the ql bytes 64 half + 16h (+ 32),
+//     q[2] the qh bytes 128 + 32 half + 16h; sc the sub-block scales 8 half + h + 2i
+//     (i < 4), d the block's d.
+struct Piece {
+    uint4 q[3];
+    uint4 sc;
+    u32 d;
+};
+
+// Whether lane t's piece of k-step s lies inside a row of `blocks` blocks.
+template <int F> __device__ __forceinline__ bool piece_in_row(int s, int t, int blocks) {
+    if (F == Q8_0) return 2 * s + t / 2 < blocks;
+    if (F == Q4_0 || F == Q4_1) return 4 * s + t < blocks;
+    return true;  // k is a multiple of 256, which K_STEP divides
+}
+
+template <int F>
+__device__ __forceinline__ Piece load_piece(const unsigned char* w, long long nb, long long row_block,
+                                            int s, int t) {
+    Piece pc;
+    if (F == Q8_0) {
+        const long long g = row_block + 2 * s + t / 2;
+        pc.q[0] = load_streamed(w + g * 32 + 16 * (t % 2));
+        pc.sc.x = *reinterpret_cast<const u16*>(w + nb * 32 + g * 2);
+    } else if (F == Q4_0 || F == Q4_1) {
+        const long long g = row_block + 4 * s + t;
+        pc.q[0] = load_streamed(w + g * 16);
+        if (F == Q4_0)
+            pc.sc.x = *reinterpret_cast<const u16*>(w + nb * 16 + g * 2);
+        else
+            pc.sc.x = *reinterpret_cast<const u32*>(w + nb * 16 + g * 4);
+    } else if (F == Q4_K) {
+        const long long g = row_block + s / 2;
+        pc.q[0] = load_streamed(w + g * 128 + 16 * (4 * (s % 2) + t));
+        pc.sc = *reinterpret_cast<const uint4*>(w + nb * 128 + g * 16);
+        pc.d = 2 * ((4 * (s % 2) + t) / 2);
+    } else {
+        const long long g = row_block + s;
+        const int half = t / 2, h = t % 2;
+        const unsigned char* q = w + g * 192;
+        pc.q[0] = load_streamed(q + 64 * half + 16 * h);
+        pc.q[1] = load_streamed(q + 64 * half + 32 + 16 * h);
+        pc.q[2] = load_streamed(q + 128 + 32 * half + 16 * h);
+        const unsigned char* sc = w + nb * 192 + g * 18;
+        pc.sc.x = sc[8 * half + h];
+        pc.sc.y = sc[8 * half + h + 2];
+        pc.sc.z = sc[8 * half + h + 4];
+        pc.sc.w = sc[8 * half + h + 6];
+        pc.d = *reinterpret_cast<const u16*>(sc + 16);
+    }
+    return pc;
+}
+
+// 8 bytes of x, through the read-only cache: every block of the product reads them.
+__device__ __forceinline__ uint2 load_cached2(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// scale_min_k4 of a Q4_K block's scale bytes held in registers (words y, z and w of sc), for
+// a sub-block j known only at run time: bytes picked by shifts, not by indexing memory.
+__device__ __forceinline__ void scale_min_k4_words(int j, const uint4& sc, int& s, int& m) {
+    auto byte = [&](int i) { return (int)((word_of(sc, 1 + (i >> 2)) >> (8 * (i & 3))) & 0xff); };
+    if (j < 4) {
+        s = byte(j) & 63;
+        m = byte(j + 4) & 63;
+    } else {
+        s = (byte(j + 4) & 0x0F) | ((byte(j - 4) >> 6) << 4);
+        m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
+    }
+}
+
+// f16 pairs (f16x2): the dequantization below works on two values an instruction.
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// Both halves of the f16 bits h.
+__device__ __forceinline__ u32 splat(u32 h) { return (h & 0xffff) * 0x10001u; }
+// f16 1024 + v in each half for the integer v < 1024 held in the half's low bits: exact.
+#define MAGIC_1024 0x64006400u
+
+// A piece's scales as f16 pairs (both halves alike), taken once a k-step:
+//   Q8_0, Q4_0: a = d. Q4_1: a = d, b = m. Q4_K: a, b = d·sc and -dmin·m of the piece's
+//   low-nibble sub-block, c, e those of its high-nibble one. Q6_K: a, b, c, e = d·sc of
+//   sub-block scale i = j + 2 nib (as Piece orders them).
+// Q8_0's, Q4_0's and Q4_1's are the block's own f16 values, so their values come out as the
+// f32 dequantization rounded to f16; Q4_K's and Q6_K's products of two scales are rounded to
+// f16 first, a second rounding of at most 2^-11 of the value.
+struct Scales {
+    u32 a, b, c, e;
+};
+
+template <int F> __device__ __forceinline__ Scales piece_scales(const Piece& pc) {
+    Scales r;
+    if (F == Q8_0 || F == Q4_0) {
+        r.a = splat(pc.sc.x);
+    } else if (F == Q4_1) {
+        r.a = splat(pc.sc.x);
+        r.b = splat(pc.sc.x >> 16);
+    } else if (F == Q4_K) {
+        const float d = half_bits(pc.sc.x & 0xffff), dmin = half_bits(pc.sc.x >> 16);
+        int sc, mn;
+        scale_min_k4_words(pc.d, pc.sc, sc, mn);
+        r.a = pack2<f16>(d * (float)sc, d * (float)sc);
+        r.b = pack2<f16>(-dmin * (float)mn, -dmin * (float)mn);
+        scale_min_k4_words(pc.d + 1, pc.sc, sc, mn);
+        r.c = pack2<f16>(d * (float)sc, d * (float)sc);
+        r.e = pack2<f16>(-dmin * (float)mn, -dmin * (float)mn);
+    } else {
+        const float d = half_bits(pc.d);
+        const u32 w[4] = {pc.sc.x, pc.sc.y, pc.sc.z, pc.sc.w};
+        u32 h[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float v = d * (float)(signed char)(w[i] & 0xff);
+            h[i] = pack2<f16>(v, v);
+        }
+        r.a = h[0];
+        r.b = h[1];
+        r.c = h[2];
+        r.e = h[3];
+    }
+    return r;
+}
+
+// Quad `qi` of a piece as two f16 pairs: values 0, 1 (lo) and 2, 3 (hi). The quants become
+// f16 integers exactly (MAGIC_1024 less its offset), then take their scales.
+template <int F>
+__device__ __forceinline__ void quad_values(const Piece& pc, const Scales& sc, int qi, u32& lo,
+                                            u32& hi) {
+    if (F == Q8_0) {
+        // Signed bytes as 128 + q, beside 0x64 as each half's high byte.
+        const u32 word = word_of(pc.q[0], qi) ^ 0x80808080u;
+        const u32 offset = 0x64806480u;  // 1024 + 128
+        lo = hmul2(hsub2(__byte_perm(word, 0x64646464u, 0x4140), offset), sc.a);
+        hi = hmul2(hsub2(__byte_perm(word, 0x64646464u, 0x4342), offset), sc.a);
+    } else if (F == Q4_0 || F == Q4_1 || F == Q4_K) {
+        // Bytes 0, 2, 1, 3, so that a half holds bytes 0 and 1 (then 2 and 3) at 8 bits apart.
+        const int nib = qi >> 2;
+        const u32 word = __byte_perm(word_of(pc.q[0], qi & 3), 0, 0x3120) >> (4 * nib);
+        const u32 q01 = (word & 0x000f000fu) | MAGIC_1024;
+        const u32 q23 = ((word >> 8) & 0x000f000fu) | MAGIC_1024;
+        if (F == Q4_0) {
+            const u32 offset = 0x64086408u;  // 1024 + 8
+            lo = hmul2(hsub2(q01, offset), sc.a);
+            hi = hmul2(hsub2(q23, offset), sc.a);
+        } else {
+            const u32 d = F == Q4_1 || nib == 0 ? sc.a : sc.c;
+            const u32 m = F == Q4_1 || nib == 0 ? sc.b : sc.e;
+            lo = hfma2(hsub2(q01, MAGIC_1024), d, m);
+            hi = hfma2(hsub2(q23, MAGIC_1024), d, m);
+        }
+    } else {
+        const int j = qi >> 3, nib = (qi >> 2) & 1, wd = qi & 3;
+        const u32 low = (word_of(pc.q[j], wd) >> (4 * nib)) & 0x0f0f0f0fu;
+        const u32 high = (word_of(pc.q[2], wd) >> (2 * j + 4 * nib)) & 0x03030303u;
+        const u32 q = low | (high << 4);
+        const u32 offset = 0x64206420u;  // 1024 + 32
+        const int i = j + 2 * nib;
+        const u32 d = i == 0 ? sc.a : i == 1 ? sc.b : i == 2 ? sc.c : sc.e;
+        lo = hmul2(hsub2(__byte_perm(q, 0x64646464u, 0x4140), offset), d);
+        hi = hmul2(hsub2(__byte_perm(q, 0x64646464u, 0x4342), offset), d);
+    }
+}
+
+// Where in its row (k) the first value of lane t's quad qi of k-step s stands.
+template <int F> __device__ __forceinline__ int quad_k(int s, int t, int qi) {
+    if (F == Q8_0) return 64 * s + 16 * t + 4 * qi;
+    if (F == Q4_0 || F == Q4_1) return 32 * (4 * s + t) + 16 * (qi >> 2) + 4 * (qi & 3);
+    if (F == Q4_K) {
+        const int p = 4 * (s % 2) + t;
+        return 256 * (s / 2) + 64 * (p / 2) + 32 * (qi >> 2) + 16 * (p % 2) + 4 * (qi & 3);
+    }
+    const int j = qi >> 3, nib = (qi >> 2) & 1;
+    return 256 * s + 128 * (t / 2) + 32 * j + 64 * nib + 16 * (t % 2) + 4 * (qi & 3);
+}
+
+template <int F, typename O, int NT>
+__device__ void quant_mma(const f16* x, const unsigned char* w, long long nb, const float* bias,
+                          int m, int n, int k, O* out, long long ld, int accumulate) {
+    constexpr int QUADS = Mma<F>::QUADS;
+    __shared__ float sums[8 * NT][QMMA_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int j0 = blockIdx.x * QMMA_ROWS, blocks = k / Block<F>::QK;
+    const int steps = (k + Mma<F>::K_STEP - 1) / Mma<F>::K_STEP;
+    // Weight rows j0 + g + 8r: r = 0, 1 the first m16 tile's, r = 2, 3 the second's.
+    bool row_ok[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) row_ok[r] = j0 + g + 8 * r < n;
+    float acc[2][NT][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][nt][e] = 0.0f;
+    auto load = [&](int s, Piece* pcs) {
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            if (row_ok[r] && piece_in_row<F>(s, t, blocks))
+                pcs[r] = load_piece<F>(w, nb, (long long)(j0 + g + 8 * r) * blocks, s, t);
+    };
+    Piece cur[4], next[4];
+    int s = warp;
+    if (Mma<F>::PREFETCH && s < steps) load(s, cur);
+    for (; s < steps; s += QMMA_WARPS) {
+        if (!Mma<F>::PREFETCH)
+            load(s, cur);
+        else if (s + QMMA_WARPS < steps)
+            load(s + QMMA_WARPS, next);
+        const bool in_row = piece_in_row<F>(s, t, blocks);
+        Scales scales[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            if (row_ok[r] && in_row) scales[r] = piece_scales<F>(cur[r]);
+#pragma unroll
+        for (int qi = 0; qi < QUADS; qi++) {
+            u32 a[2][4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                u32 lo = 0, hi = 0;
+                if (row_ok[r] && in_row) quad_values<F>(cur[r], scales[r], qi, lo, hi);
+                // Fragment registers: rows g (r even) and g + 8 (r odd), k pairs lo then hi.
+                a[r / 2][r % 2] = lo;
+                a[r / 2][2 + r % 2] = hi;
+            }
+            const int kk = quad_k<F>(s, t, qi);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int row = 8 * nt + g;
+                uint2 b = make_uint2(0, 0);
+                if (row < m && in_row)
+                    b = load_cached2(x + (long long)row * k + kk);
+                mma16816<f16>(acc[0][nt], a[0], b.x, b.y);
+                mma16816<f16>(acc[1][nt], a[1], b.x, b.y);
+            }
+        }
+        if (Mma<F>::PREFETCH) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) cur[r] = next[r];
+        }
+    }
+    // acc[i][nt]: weight rows 16i + g (+ 8), x rows 8nt + 2t (+ 1).
+    for (int q = 0; q < QMMA_WARPS; q++) {
+        if (warp == q) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float* p = &sums[8 * nt + 2 * t + (e & 1)][16 * i + g + 8 * (e >> 1)];
+                        *p = q == 0 ? acc[i][nt][e] : *p + acc[i][nt][e];
+                    }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < m * QMMA_ROWS; i += blockDim.x) {
+        const int r = i / QMMA_ROWS, j = j0 + i % QMMA_ROWS;
+        if (j >= n) continue;
+        float v = sums[r][i % QMMA_ROWS];
+        if (bias) v += bias[j];
+        O* o = out + r * ld + j;
+        if (accumulate) v += to_f32(*o);
+        *o = from_f32<O>(v);
+    }
+}
+
 // Stores part p's VALS values as f16 at their places in the block's values at o.
 template <int F> __device__ __forceinline__ void store_part(f16* o, int p, const float* y) {
     constexpr int HALF = Block<F>::VALS / 2;
@@ -228,15 +539,17 @@ template <int F> __device__ __forceinline__ void store_part(f16* o, int p, const
     }
 }
 
-// The blocks of w, `blocks` of them, as f16 values: one thread a part of a block.
+// Blocks first..first + count of w (a buffer of nb blocks) as f16 values: one thread a part
+// of a block.
 template <int F>
-__device__ void quant_dequantize(const unsigned char* w, long long blocks, f16* out) {
+__device__ void quant_dequantize(const unsigned char* w, long long nb, long long first,
+                                 long long count, f16* out) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long g = t / Block<F>::PARTS;
     const int p = t % Block<F>::PARTS;
-    if (g >= blocks) return;
+    if (g >= count) return;
     float y[Block<F>::VALS];
-    dequantize_part<F>(w, blocks, g, p, y);
+    dequantize_part<F>(w, nb, first + g, p, y);
     store_part<F>(out + g * Block<F>::QK, p, y);
 }
 
@@ -265,17 +578,27 @@ __device__ void quant_embedding(const unsigned char* table, long long nb, const 
         quant_gemv<F, O, M>(x, w, nb, bias, n, k, out, ld, accumulate);                            \
     }
 
-#define QUANT_GEMV_ROWS(F, S, O, SO)                                                               \
-    QUANT_GEMV(F, S, O, SO, 1) QUANT_GEMV(F, S, O, SO, 2) QUANT_GEMV(F, S, O, SO, 3)              \
-    QUANT_GEMV(F, S, O, SO, 4)
+#define QUANT_MMA(F, S, O, SO, NT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * QMMA_WARPS) quant_mma_##S##_##SO##_n##NT(   \
+        const f16* x, const unsigned char* w, long long nb, const float* bias, int m, int n,       \
+        int k, O* out, long long ld, int accumulate) {                                             \
+        await_previous_kernel();                                                                   \
+        quant_mma<F, O, NT>(x, w, nb, bias, m, n, k, out, ld, accumulate);                         \
+    }
+
+#define QUANT_MMA_ROWS(F, S, O, SO)                                                                \
+    QUANT_MMA(F, S, O, SO, 1) QUANT_MMA(F, S, O, SO, 2) QUANT_MMA(F, S, O, SO, 4)                  \
+    QUANT_MMA(F, S, O, SO, 8)
 
 #define QUANT(F, S)                                                                                \
-    QUANT_GEMV_ROWS(F, S, f16, f16)                                                                \
-    QUANT_GEMV_ROWS(F, S, float, f32)                                                              \
-    extern "C" __global__ void quant_dequantize_##S(const unsigned char* w, long long blocks,      \
-                                                    f16* out) {                                    \
+    QUANT_GEMV(F, S, f16, f16, 1)                                                                  \
+    QUANT_GEMV(F, S, float, f32, 1)                                                                \
+    QUANT_MMA_ROWS(F, S, f16, f16)                                                                 \
+    QUANT_MMA_ROWS(F, S, float, f32)                                                               \
+    extern "C" __global__ void quant_dequantize_##S(const unsigned char* w, long long nb,          \
+                                                    long long first, long long count, f16* out) {  \
         await_previous_kernel();                                                                   \
-        quant_dequantize<F>(w, blocks, out);                                                       \
+        quant_dequantize<F>(w, nb, first, count, out);                                             \
     }                                                                                              \
     extern "C" __global__ void quant_embedding_##S(const unsigned char* t, long long nb,           \
                                                    const int* ids, int first, int rows, int dim,   \
