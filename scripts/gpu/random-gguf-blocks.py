@@ -2,8 +2,8 @@
 (as ../shared/tools/llamacpp-cuda-peer/random_gguf.py writes f16 ones), for speed runs of
 the CUDA backend's block kernels without llama.cpp's build: the matrices are random values
 of about 0.02 quantized by gguf-py (Q4_0, Q4_1, Q8_0), or random K-quant blocks with a
-small d (Q4_K, Q6_K, which gguf-py cannot quantize); the output projection stays f16.
-Usage: random-gguf-blocks.py OUT.gguf Q4_0|Q4_1|Q8_0|Q4_K|Q6_K [8b|tiny]
+small d (Q4_K, Q5_K, Q6_K, which gguf-py cannot quantize); the output projection stays f16.
+Usage: random-gguf-blocks.py OUT.gguf Q4_0|Q4_1|Q8_0|Q4_K|Q5_K|Q6_K [8b|tiny]
 One random matrix per shape is reused across layers. Needs numpy and gguf-py."""
 import sys
 import numpy as np
@@ -21,7 +21,7 @@ def r(*shape):
 
 
 # Where a K-quant block keeps its f16 scales (d, and Q4_K's dmin), and its size.
-K_SCALES = {"Q4_K": ([0, 2], 144), "Q6_K": ([208], 210)}
+K_SCALES = {"Q4_K": ([0, 2], 144), "Q5_K": ([0, 2], 176), "Q6_K": ([208], 210)}
 
 
 def q(rows, cols):
