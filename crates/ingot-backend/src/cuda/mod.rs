@@ -641,9 +641,15 @@ impl CudaBackend {
             r.map(|_| ())
         });
         if let (Ok(false), Some(b)) = (applied, bias) {
-            let (o, bp, nn, ldl) = (out_ptr, b.ptr, n as i32, ld as i64);
-            launch!(self, format!("bias_add_{}", suffix(buf.dtype)), (m as u32, 1, 1), row_threads(n).min(256); o, bp, nn, ldl);
+            self.bias_add(out_ptr, buf.dtype, b, m, n, ld);
         }
+    }
+
+    /// `out[i, j] += bias[j]` over columns `[0, n)` of `m` rows `ld` apart from `out`: the
+    /// bias of a product that could not add it itself.
+    fn bias_add(&self, out: u64, dtype: DType, bias: &CudaBuffer, m: usize, n: usize, ld: usize) {
+        let (bp, nn, ldl) = (bias.ptr, n as i32, ld as i64);
+        launch!(self, format!("bias_add_{}", suffix(dtype)), (m as u32, 1, 1), row_threads(n).min(256); out, bp, nn, ldl);
     }
 
     /// [`Backend::rope_kv_write`]; with `norm` = (x, dim, eps), the qkv rows are products of

@@ -241,8 +241,7 @@ impl CudaBackend {
             );
         }
         if let (false, Some(b)) = (whole, bias) {
-            let bp = b.ptr;
-            launch!(self, format!("bias_add_{}", suffix(out.buf.dtype)), (m as u32, 1, 1), 256; o, bp, nn, ldl);
+            self.bias_add(o, out.buf.dtype, b, m, n, out.row_stride);
         }
     }
 
