@@ -3,11 +3,15 @@
 //! nothing is read back, so every step can be recorded in a CUDA graph.
 //!
 //! Steps of up to [`ROW_PATH_ROWS`] rows of bf16/f16 experts skip the grouping: each slot
-//! is a tile of its own (`moe_mma_row_*`), routed inside the gate/up kernel, two launches
-//! fewer than the grouped path (route, group) in the same k order, so with the same bits.
+//! runs as matrix-vector products of its own (`moe_row_*`), routed inside the gate/up
+//! kernel, two launches fewer than the grouped path (route, group). They sum in another k
+//! order than the grouped tiles, so a row's outputs in such a small step may differ from
+//! the same row's in a larger step by the rounding of the f32 sums, as the dense GEMV's
+//! differ from the dense tensor-core products'.
 //!
-//! Two kinds of product kernels, chosen by the model's dtype and widths alone, never by the
-//! step's size, so a row's result does not depend on the other rows of its step:
+//! Two kinds of grouped product kernels, chosen by the model's dtype and widths alone, never
+//! by the step's size, so among grouped steps a row's result does not depend on the other
+//! rows of its step:
 //! - bf16/f16 experts whose widths are whole slabs of [`MMA_BK`] take the tensor-core
 //!   kernels (`moe_mma_*`): each expert's weights are read once per tile of [`SMALL`] or
 //!   [`LARGE`] of its slots (the tile shapes give the same bits), the gate/up product and
@@ -27,6 +31,11 @@ pub const WARPS: usize = 8;
 pub const GATE_COLS: usize = 2;
 /// Columns each warp of the down tile kernel computes (`MOE_DOWN_COLS`).
 pub const DOWN_COLS: usize = 4;
+/// Columns each warp of the slot-by-slot gate/up kernel computes, gate and up each
+/// (`MOE_ROW_GATE_COLS`).
+pub const ROW_GATE_COLS: usize = 2;
+/// Columns each warp of the slot-by-slot down kernel computes (`MOE_ROW_DOWN_COLS`).
+pub const ROW_DOWN_COLS: usize = 4;
 /// Rows `moe_route` routes per block, a warp each (`MOE_ROUTE_WARPS`).
 pub const ROUTE_WARPS: usize = 4;
 /// The k slab of the tensor-core kernels (`MOE_MMA_BK`): both widths must be multiples.
@@ -64,10 +73,10 @@ pub const LARGE: MmaTile = MmaTile {
 };
 
 /// Steps of up to this many rows run slot by slot: an expert then gets about one slot, so
-/// grouping saves no weight reads and costs two launches. One row (qwen3-moe-24l, B=1:
-/// +3.4 % on an H200, +1.5 % on an H100); at four rows the two paths were level (897.3
-/// against 903.9 tok/s, H200), so steps of more rows keep the grouping.
-pub const ROW_PATH_ROWS: usize = 1;
+/// grouping saves few weight reads and costs two launches (H200, `configs/qwen3-moe-24l`,
+/// decode tok/s against the grouped tiles in the same call: B=1 572.2 against 490.4, B=4
+/// 1,071.4 against 932.7).
+pub const ROW_PATH_ROWS: usize = 4;
 
 impl MmaTile {
     /// The dynamic shared memory of a block: the ring of both operands' slabs, each row
@@ -90,7 +99,7 @@ impl MmaTile {
     }
 }
 
-/// Whether a step runs slot by slot (`moe_mma_row_*`).
+/// Whether a step runs slot by slot (`moe_row_*`).
 pub fn slot_by_slot(dtype: DType, shape: MoeShape) -> bool {
     on_tensor_cores(dtype, shape) && shape.rows <= ROW_PATH_ROWS
 }
@@ -330,12 +339,12 @@ impl CudaBackend {
         );
         let rn = renormalize as i32;
         let route_bytes = 4 * (shape.experts + 2 * shape.experts_per_token) as u32;
-        let (shared, threads) = (SMALL.shared_bytes(), SMALL.threads());
-        let cols = shape.ffn.div_ceil(SMALL.rows / 2) as u32;
-        launch!(self, format!("moe_mma_row_gate_up_{sfx}"), label = format!("moe_mma_row_gate_up_{sfx}"), shared = shared + route_bytes, (cols, slots as u32, 1), threads; xp, l, gu, e, k, rn, dim, ffn, i, w, act);
+        let threads = 32 * WARPS as u32;
+        let cols = shape.ffn.div_ceil(WARPS * ROW_GATE_COLS) as u32;
+        launch!(self, format!("moe_row_gate_up_{sfx}"), label = format!("moe_row_gate_up_{sfx}"), shared = route_bytes, (cols, slots as u32, 1), threads; xp, l, gu, e, k, rn, dim, ffn, i, w, act);
         self.count_touched_experts(ids, shape);
-        let cols = shape.dim.div_ceil(SMALL.rows) as u32;
-        launch!(self, format!("moe_mma_row_down_{sfx}"), label = format!("moe_mma_row_down_{sfx}"), shared = shared, (cols, slots as u32, 1), threads; act, dp, i, dim, ffn, y);
+        let cols = shape.dim.div_ceil(WARPS * ROW_DOWN_COLS) as u32;
+        launch!(self, format!("moe_row_down_{sfx}"), label = format!("moe_row_down_{sfx}"), (cols, slots as u32, 1), threads; act, dp, i, dim, ffn, y);
         self.combine(y, weights, shape, out, add);
     }
 }

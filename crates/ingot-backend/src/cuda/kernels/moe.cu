@@ -133,16 +133,16 @@ __device__ __forceinline__ bool moe_tile(const int* offsets, const int* tile_off
     return true;
 }
 
-// acc[r][c] = Σ x_r[kk] · w_c[kk] over [0, len) for the tile's n live rows (of MOE_TILE)
-// against C weight rows, summed over the warp and returned to every lane. A lane reads 16
+// acc[r][c] = Σ x_r[kk] · w_c[kk] over [0, len) for the tile's n live rows (of R) against
+// C weight rows, summed over the warp and returned to every lane. A lane reads 16
 // bytes of each weight row per step along k (8 elements; element by element where rows are
 // not whole 16-byte vectors), so the warp's loads are coalesced and several are in flight.
-template <typename X, typename W, int C>
+template <typename X, typename W, int R, int C>
 __device__ __forceinline__ void warp_tile_dots(const X* const* x, int n, const W* const* w, int len,
-                                               float (&acc)[MOE_TILE][C]) {
+                                               float (&acc)[R][C]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int r = 0; r < MOE_TILE; r++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int c = 0; c < C; c++) acc[r][c] = 0.0f;
     const int vec_len = len % 8 == 0 ? len : 0;
@@ -153,7 +153,7 @@ __device__ __forceinline__ void warp_tile_dots(const X* const* x, int n, const W
 #pragma unroll
         for (int c = 0; c < C; c++) load8_weights<W>(w[c] + kk, wf[c]);
 #pragma unroll
-        for (int r = 0; r < MOE_TILE; r++) {
+        for (int r = 0; r < R; r++) {
             if (r < n) {
                 float xf[8];
                 load8<X>(x[r] + kk, xf);
@@ -166,7 +166,7 @@ __device__ __forceinline__ void warp_tile_dots(const X* const* x, int n, const W
     }
     for (int kk = vec_len + lane; kk < len; kk += 32) {
 #pragma unroll
-        for (int r = 0; r < MOE_TILE; r++) {
+        for (int r = 0; r < R; r++) {
             if (r < n) {
 #pragma unroll
                 for (int c = 0; c < C; c++) acc[r][c] += to_f32(w[c][kk]) * to_f32(x[r][kk]);
@@ -174,7 +174,7 @@ __device__ __forceinline__ void warp_tile_dots(const X* const* x, int n, const W
         }
     }
 #pragma unroll
-    for (int r = 0; r < MOE_TILE; r++)
+    for (int r = 0; r < R; r++)
         if (r < n)
 #pragma unroll
             for (int c = 0; c < C; c++) acc[r][c] = warp_sum(acc[r][c]);
@@ -204,7 +204,7 @@ __device__ void moe_gate_up(const T* x, const T* w, const int* order, const int*
         wr[C + c] = w + ((long long)e * 2 * ffn + ffn + j) * dim;
     }
     float acc[MOE_TILE][2 * C];
-    warp_tile_dots<T, T, 2 * C>(xr, n, wr, dim, acc);
+    warp_tile_dots<T, T, MOE_TILE, 2 * C>(xr, n, wr, dim, acc);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < MOE_TILE; r++)
@@ -234,7 +234,7 @@ __device__ void moe_down(const float* act, const T* w, const int* order, const i
 #pragma unroll
     for (int c = 0; c < C; c++) wr[c] = w + ((long long)e * dim + min(j0 + c, dim - 1)) * ffn;
     float acc[MOE_TILE][C];
-    warp_tile_dots<float, T, C>(ar, n, wr, ffn, acc);
+    warp_tile_dots<float, T, MOE_TILE, C>(ar, n, wr, ffn, acc);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < MOE_TILE; r++)
@@ -278,7 +278,7 @@ __device__ void moe_combine(const float* y, const float* probs, int k, int dim, 
 // grouped order. Otherwise the down product, whose f32 outputs go to their slots.
 //
 // The tile is expert e's grouped slots [first, first + n); `order` gives the slot at each
-// grouped position, or is null where positions are slots (steps run slot by slot).
+// grouped position.
 template <typename T, int BM, int BN, int WM, int WN, int STAGES, bool GATE>
 __device__ void moe_mma_tile(const T* a, const T* w, const int* order, int e, int first, int n,
                              int k_route, int len, int n_out, void* out) {
@@ -297,7 +297,7 @@ __device__ void moe_mma_tile(const T* a, const T* w, const int* order, int e, in
     // columns past n_out read the last valid one again and are not stored.
     for (int r = threadIdx.x; r < BM; r += THREADS) {
         const int g = first + min(r, n - 1);
-        const int slot = order ? order[g] : g;
+        const int slot = order[g];
         arow[r] = a + (long long)(GATE ? slot / k_route : g) * len;
     }
     const long long rows_per_expert = GATE ? 2LL * n_out : n_out;
@@ -387,7 +387,7 @@ __device__ void moe_mma_tile(const T* a, const T* w, const int* order, int e, in
                         act[col] = from_f32<T>(gate / (1.0f + expf(-gate)) * up);
                     }
             } else {
-                const int slot = order ? order[first + r] : first + r;
+                const int slot = order[first + r];
                 float* y = reinterpret_cast<float*>(out) + (long long)slot * n_out;
 #pragma unroll
                 for (int j = 0; j < NI; j++)
@@ -411,24 +411,32 @@ __device__ void moe_mma(const T* a, const T* w, const int* order, const int* off
                                                   out);
 }
 
-// Steps too small to group (cuda/moe.rs's ROW_PATH_ROWS) run slot by slot, with no grouping
-// (an expert then gets about one slot anyway): tile blockIdx.y is slot blockIdx.y alone, in the small tile's shape and the
-// same k order, so with the grouped tiles' bits. The gate/up kernel routes the slot's row
-// first (a warp's work in each block, cheaper than a launch of its own), in the dynamic
-// shared memory after the ring (experts floats of scratch, then k ids and k weights), and
-// the blocks of column 0 write the slot's expert and weight for the down kernel.
-template <typename T, int BM, int BN, int WM, int WN, int STAGES>
-__device__ void moe_mma_row_gate_up(const T* x, const float* logits, const T* w, int experts,
-                                    int k, int renormalize, int dim, int ffn, int* ids,
-                                    float* probs, T* act) {
-    constexpr int LD = MOE_MMA_BK + 8;
-    extern __shared__ __align__(16) unsigned char mma_shared[];
-    float* scratch = reinterpret_cast<float*>(mma_shared + STAGES * (BM + BN) * LD * sizeof(T));
-    int* row_ids = reinterpret_cast<int*>(scratch + experts);
+// Steps too small to group (cuda/moe.rs's ROW_PATH_ROWS) run slot by slot as
+// matrix-vector products, with no grouping (an expert then gets about one slot anyway): a
+// warp owns a few weight rows of the slot's expert and its lanes stream them along k, as
+// the tile kernels do for one row. A tensor-core tile would stream a slab of 16 slots for
+// its one live slot, with fewer weight bytes in flight (H200, Qwen3-30B-A3B shapes, B=1:
+// 303.2 tok/s against 254.0). These sums run in another k order than the tiles', so a
+// row's outputs in such a small step may differ from the same row's in a larger step by
+// the rounding of the f32 sums (the dense products' GEMV and tensor-core paths differ
+// alike).
+//
+// The gate/up kernel routes the slot's row first (a warp's work in each block, cheaper than
+// a launch of its own) into its dynamic shared memory (experts floats of scratch, then k
+// ids and k weights), and the blocks of column 0 write the slot's expert and weight for the
+// down kernel. act[slot, j] = silu(gate) * up, each product rounded to T as the dense MLP's
+// product and silu_mul round them.
+template <typename T>
+__device__ void moe_row_gate_up(const T* x, const float* logits, const T* w, int experts, int k,
+                                int renormalize, int dim, int ffn, int* ids, float* probs,
+                                T* act) {
+    constexpr int C = MOE_ROW_GATE_COLS;
+    extern __shared__ float row_route[];
+    int* row_ids = reinterpret_cast<int*>(row_route + experts);
     float* row_probs = reinterpret_cast<float*>(row_ids + k);
     const int slot = blockIdx.y;
     if (threadIdx.x < 32)
-        route_row(logits + (long long)(slot / k) * experts, experts, k, renormalize, scratch,
+        route_row(logits + (long long)(slot / k) * experts, experts, k, renormalize, row_route,
                   row_ids, row_probs);
     __syncthreads();
     const int e = row_ids[slot % k];
@@ -436,7 +444,47 @@ __device__ void moe_mma_row_gate_up(const T* x, const float* logits, const T* w,
         ids[slot] = e;
         probs[slot] = row_probs[slot % k];
     }
-    moe_mma_tile<T, BM, BN, WM, WN, STAGES, true>(x, w, nullptr, e, slot, 1, k, dim, ffn, act);
+    const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * C;
+    if (j0 >= ffn) return;
+    const T* xr[1] = {x + (long long)(slot / k) * dim};
+    // Columns past ffn read the last column again and are not stored.
+    const T* wr[2 * C];
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        const long long j = min(j0 + c, ffn - 1);
+        wr[c] = w + ((long long)e * 2 * ffn + j) * dim;
+        wr[C + c] = w + ((long long)e * 2 * ffn + ffn + j) * dim;
+    }
+    float acc[1][2 * C];
+    warp_tile_dots<T, T, 1, 2 * C>(xr, 1, wr, dim, acc);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < C; c++)
+        if (lane == c && j0 + c < ffn) {
+            const float gate = round_to<T>(acc[0][c]), up = round_to<T>(acc[0][C + c]);
+            act[(long long)slot * ffn + j0 + c] = from_f32<T>(gate / (1.0f + expf(-gate)) * up);
+        }
+}
+
+// y[slot, j] = down_e[j] · act[slot] for the slot's expert e = ids[slot], in f32.
+template <typename T>
+__device__ void moe_row_down(const T* act, const T* w, const int* ids, int dim, int ffn,
+                             float* y) {
+    constexpr int C = MOE_ROW_DOWN_COLS;
+    const int slot = blockIdx.y;
+    const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * C;
+    if (j0 >= dim) return;
+    const long long e = ids[slot];
+    const T* ar[1] = {act + (long long)slot * ffn};
+    const T* wr[C];
+#pragma unroll
+    for (int c = 0; c < C; c++) wr[c] = w + (e * dim + min(j0 + c, dim - 1)) * ffn;
+    float acc[1][C];
+    warp_tile_dots<T, T, 1, C>(ar, 1, wr, ffn, acc);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < C; c++)
+        if (lane == c && j0 + c < dim) y[(long long)slot * dim + j0 + c] = acc[0][c];
 }
 
 // Grid: (ceil(ffn / (BN / 2)), tiles of BM slots); 32 * WM * WN threads, the shared
@@ -467,28 +515,24 @@ MOE_MMA(bf16, bf16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_W
 MOE_MMA(f16, f16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_WN,
         MOE_LARGE_STAGES)
 
-// Grid: (ceil(ffn / (BN / 2)), slots) and (ceil(dim / BN), slots), the small tile's shape;
-// act [slots, ffn] and y [slots, dim] in slot order.
-#define MOE_MMA_ROW(T, S)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * MOE_SMALL_WM * MOE_SMALL_WN)                 \
-        moe_mma_row_gate_up_##S(const T* x, const float* logits, const T* w, int experts, int k,   \
-                                int renormalize, int dim, int ffn, int* ids, float* probs,         \
-                                T* act) {                                                          \
+// Grid: (ceil(ffn / (MOE_WARPS * MOE_ROW_GATE_COLS)), slots) and
+// (ceil(dim / (MOE_WARPS * MOE_ROW_DOWN_COLS)), slots), MOE_WARPS warps; act [slots, ffn]
+// and y [slots, dim] in slot order.
+#define MOE_ROW(T, S)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_row_gate_up_##S(              \
+        const T* x, const float* logits, const T* w, int experts, int k, int renormalize, int dim, \
+        int ffn, int* ids, float* probs, T* act) {                                                 \
         await_previous_kernel();                                                                   \
-        moe_mma_row_gate_up<T, MOE_SMALL_BM, MOE_SMALL_BN, MOE_SMALL_WM, MOE_SMALL_WN,             \
-                            MOE_SMALL_STAGES>(x, logits, w, experts, k, renormalize, dim, ffn,     \
-                                              ids, probs, act);                                    \
+        moe_row_gate_up<T>(x, logits, w, experts, k, renormalize, dim, ffn, ids, probs, act);      \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * MOE_SMALL_WM * MOE_SMALL_WN)                 \
-        moe_mma_row_down_##S(const T* act, const T* w, const int* ids, int dim, int ffn,           \
-                             float* y) {                                                           \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_row_down_##S(                 \
+        const T* act, const T* w, const int* ids, int dim, int ffn, float* y) {                    \
         await_previous_kernel();                                                                   \
-        moe_mma_tile<T, MOE_SMALL_BM, MOE_SMALL_BN, MOE_SMALL_WM, MOE_SMALL_WN, MOE_SMALL_STAGES,  \
-                     false>(act, w, nullptr, ids[blockIdx.y], blockIdx.y, 1, 0, ffn, dim, y);      \
+        moe_row_down<T>(act, w, ids, dim, ffn, y);                                                 \
     }
 
-MOE_MMA_ROW(bf16, bf16)
-MOE_MMA_ROW(f16, f16)
+MOE_ROW(bf16, bf16)
+MOE_ROW(f16, f16)
 
 #define MOE(T, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##S(                     \
