@@ -19,7 +19,7 @@
 //! - f32 experts and other widths take the tile kernels (`moe_gate_up_*`, `moe_down_*`):
 //!   f32 throughout, each expert's weights read once per [`TILE`] of its slots.
 
-use super::{row_threads, suffix, CudaBackend, CudaBuffer};
+use super::{suffix, CudaBackend, CudaBuffer};
 use crate::{DType, MoeShape};
 use anyhow::Context;
 
@@ -36,6 +36,8 @@ pub const DOWN_COLS: usize = 4;
 pub const ROW_GATE_COLS: usize = 2;
 /// Columns each warp of the slot-by-slot down kernel computes (`MOE_ROW_DOWN_COLS`).
 pub const ROW_DOWN_COLS: usize = 4;
+/// Threads of a `moe_combine` block, a column each.
+const COMBINE_THREADS: usize = 256;
 /// Rows `moe_route` routes per block, a warp each (`MOE_ROUTE_WARPS`).
 pub const ROUTE_WARPS: usize = 4;
 /// The k slab of the tensor-core kernels (`MOE_MMA_BK`): both widths must be multiples.
@@ -292,7 +294,8 @@ impl CudaBackend {
             add as i32,
         );
         let name = format!("moe_combine_{}", suffix(out.dtype));
-        launch!(self, name, (shape.rows as u32, 1, 1), row_threads(shape.dim).min(256); y, w, k, dim, o, add);
+        let columns = shape.dim.div_ceil(COMBINE_THREADS) as u32;
+        launch!(self, name, (shape.rows as u32, columns, 1), COMBINE_THREADS as u32; y, w, k, dim, o, add);
     }
 
     /// [`crate::Backend::moe`] slot by slot ([`slot_by_slot`]): the gate/up kernel routes

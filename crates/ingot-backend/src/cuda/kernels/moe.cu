@@ -250,16 +250,19 @@ template <typename T> __device__ __forceinline__ void store_sum(T* out, float su
     *out = from_f32<T>(add ? to_f32(*out) + round_to<T>(sum) : sum);
 }
 
-// Grid: one block per row. out[r, j] = Σ_i probs[r * k + i] · y[r * k + i, j] in slot order
-// (fused multiply-adds), or added to out where `add`.
+// Grid: (rows, ceil(dim / blockDim.x)), a thread a column. out[r, j] = Σ_i probs[r * k + i] ·
+// y[r * k + i, j] in slot order (fused multiply-adds), or added to out where `add`. With a
+// block a row, a decode step's few rows waited on a few threads' chains of loads (H200,
+// Qwen3-30B-A3B shapes, one row: 9.7 µs a layer).
 template <typename T>
 __device__ void moe_combine(const float* y, const float* probs, int k, int dim, T* out, int add) {
     const long long r = blockIdx.x;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) {
-        float acc = 0.0f;
-        for (int i = 0; i < k; i++) acc = fmaf(probs[r * k + i], y[(r * k + i) * dim + j], acc);
-        store_sum<T>(out + r * dim + j, acc, add);
-    }
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= dim) return;
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < k; i++) acc = fmaf(probs[r * k + i], y[(r * k + i) * dim + j], acc);
+    store_sum<T>(out + r * dim + j, acc, add);
 }
 
 // Grouped products on tensor cores (16-bit weights): each block multiplies one tile of an
