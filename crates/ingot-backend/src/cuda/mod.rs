@@ -55,7 +55,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 30] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 28] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -69,8 +69,6 @@ const KERNEL_DEFINITIONS: [(&str, usize); 30] = [
     ("MOE_WARPS", moe::WARPS),
     ("MOE_GATE_COLS", moe::GATE_COLS),
     ("MOE_DOWN_COLS", moe::DOWN_COLS),
-    ("MOE_ROW_GATE_COLS", moe::ROW_GATE_COLS),
-    ("MOE_ROW_DOWN_COLS", moe::ROW_DOWN_COLS),
     ("MOE_ROUTE_WARPS", moe::ROUTE_WARPS),
     ("MOE_MMA_BK", moe::MMA_BK),
     ("MOE_SMALL_BM", moe::SMALL.slots),

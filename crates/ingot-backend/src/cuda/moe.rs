@@ -27,15 +27,12 @@ use anyhow::Context;
 pub const TILE: usize = 8;
 /// Warps per block of the tile kernels (`MOE_WARPS`).
 pub const WARPS: usize = 8;
-/// Columns each warp of the gate/up tile kernel computes, gate and up each (`MOE_GATE_COLS`).
+/// Columns each warp of the gate/up tile kernel and of the slot-by-slot one computes, gate
+/// and up each (`MOE_GATE_COLS`).
 pub const GATE_COLS: usize = 2;
-/// Columns each warp of the down tile kernel computes (`MOE_DOWN_COLS`).
+/// Columns each warp of the down tile kernel and of the slot-by-slot one computes
+/// (`MOE_DOWN_COLS`).
 pub const DOWN_COLS: usize = 4;
-/// Columns each warp of the slot-by-slot gate/up kernel computes, gate and up each
-/// (`MOE_ROW_GATE_COLS`).
-pub const ROW_GATE_COLS: usize = 2;
-/// Columns each warp of the slot-by-slot down kernel computes (`MOE_ROW_DOWN_COLS`).
-pub const ROW_DOWN_COLS: usize = 4;
 /// Threads of a `moe_combine` block, a column each.
 const COMBINE_THREADS: usize = 256;
 /// Rows `moe_route` routes per block, a warp each (`MOE_ROUTE_WARPS`).
@@ -343,10 +340,10 @@ impl CudaBackend {
         let rn = renormalize as i32;
         let route_bytes = 4 * (shape.experts + 2 * shape.experts_per_token) as u32;
         let threads = 32 * WARPS as u32;
-        let cols = shape.ffn.div_ceil(WARPS * ROW_GATE_COLS) as u32;
+        let cols = shape.ffn.div_ceil(WARPS * GATE_COLS) as u32;
         launch!(self, format!("moe_row_gate_up_{sfx}"), label = format!("moe_row_gate_up_{sfx}"), shared = route_bytes, (cols, slots as u32, 1), threads; xp, l, gu, e, k, rn, dim, ffn, i, w, act);
         self.count_touched_experts(ids, shape);
-        let cols = shape.dim.div_ceil(WARPS * ROW_DOWN_COLS) as u32;
+        let cols = shape.dim.div_ceil(WARPS * DOWN_COLS) as u32;
         launch!(self, format!("moe_row_down_{sfx}"), label = format!("moe_row_down_{sfx}"), (cols, slots as u32, 1), threads; act, dp, i, dim, ffn, y);
         self.combine(y, weights, shape, out, add);
     }

@@ -180,6 +180,20 @@ __device__ __forceinline__ void warp_tile_dots(const X* const* x, int n, const W
             for (int c = 0; c < C; c++) acc[r][c] = warp_sum(acc[r][c]);
 }
 
+// Expert e's gate rows of columns j0..j0 + C into wr[0, C) and its up rows of the same
+// columns into wr[C, 2C), in a stack of [gate | up] per expert; columns past ffn read the
+// last column again (and are not stored).
+template <typename T, int C>
+__device__ __forceinline__ void gate_up_rows(const T* w, long long e, int j0, int dim, int ffn,
+                                             const T* (&wr)[2 * C]) {
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        const long long j = min(j0 + c, ffn - 1);
+        wr[c] = w + (e * 2 * ffn + j) * dim;
+        wr[C + c] = w + (e * 2 * ffn + ffn + j) * dim;
+    }
+}
+
 // Grid: (ceil(ffn / (MOE_WARPS * MOE_GATE_COLS)), tiles); each warp owns MOE_GATE_COLS
 // columns. act[g, j] = silu(gate_e[j] · x) * (up_e[j] · x) for the grouped slots g of the
 // tile, x their rows (slot / k), in f32.
@@ -195,14 +209,8 @@ __device__ void moe_gate_up(const T* x, const T* w, const int* order, const int*
     const T* xr[MOE_TILE];
 #pragma unroll
     for (int r = 0; r < MOE_TILE; r++) xr[r] = x + (long long)(order[first + min(r, n - 1)] / k) * dim;
-    // Columns past ffn read the last column again and are not stored.
     const T* wr[2 * C];
-#pragma unroll
-    for (int c = 0; c < C; c++) {
-        const long long j = min(j0 + c, ffn - 1);
-        wr[c] = w + ((long long)e * 2 * ffn + j) * dim;
-        wr[C + c] = w + ((long long)e * 2 * ffn + ffn + j) * dim;
-    }
+    gate_up_rows<T, C>(w, e, j0, dim, ffn, wr);
     float acc[MOE_TILE][2 * C];
     warp_tile_dots<T, T, MOE_TILE, 2 * C>(xr, n, wr, dim, acc);
     const int lane = threadIdx.x & 31;
@@ -433,7 +441,7 @@ template <typename T>
 __device__ void moe_row_gate_up(const T* x, const float* logits, const T* w, int experts, int k,
                                 int renormalize, int dim, int ffn, int* ids, float* probs,
                                 T* act) {
-    constexpr int C = MOE_ROW_GATE_COLS;
+    constexpr int C = MOE_GATE_COLS;
     extern __shared__ float row_route[];
     int* row_ids = reinterpret_cast<int*>(row_route + experts);
     float* row_probs = reinterpret_cast<float*>(row_ids + k);
@@ -450,14 +458,8 @@ __device__ void moe_row_gate_up(const T* x, const float* logits, const T* w, int
     const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * C;
     if (j0 >= ffn) return;
     const T* xr[1] = {x + (long long)(slot / k) * dim};
-    // Columns past ffn read the last column again and are not stored.
     const T* wr[2 * C];
-#pragma unroll
-    for (int c = 0; c < C; c++) {
-        const long long j = min(j0 + c, ffn - 1);
-        wr[c] = w + ((long long)e * 2 * ffn + j) * dim;
-        wr[C + c] = w + ((long long)e * 2 * ffn + ffn + j) * dim;
-    }
+    gate_up_rows<T, C>(w, e, j0, dim, ffn, wr);
     float acc[1][2 * C];
     warp_tile_dots<T, T, 1, 2 * C>(xr, 1, wr, dim, acc);
     const int lane = threadIdx.x & 31;
@@ -473,7 +475,7 @@ __device__ void moe_row_gate_up(const T* x, const float* logits, const T* w, int
 template <typename T>
 __device__ void moe_row_down(const T* act, const T* w, const int* ids, int dim, int ffn,
                              float* y) {
-    constexpr int C = MOE_ROW_DOWN_COLS;
+    constexpr int C = MOE_DOWN_COLS;
     const int slot = blockIdx.y;
     const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * C;
     if (j0 >= dim) return;
@@ -518,8 +520,8 @@ MOE_MMA(bf16, bf16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_W
 MOE_MMA(f16, f16, large, MOE_LARGE_BM, MOE_LARGE_BN, MOE_LARGE_WM, MOE_LARGE_WN,
         MOE_LARGE_STAGES)
 
-// Grid: (ceil(ffn / (MOE_WARPS * MOE_ROW_GATE_COLS)), slots) and
-// (ceil(dim / (MOE_WARPS * MOE_ROW_DOWN_COLS)), slots), MOE_WARPS warps; act [slots, ffn]
+// Grid: (ceil(ffn / (MOE_WARPS * MOE_GATE_COLS)), slots) and
+// (ceil(dim / (MOE_WARPS * MOE_DOWN_COLS)), slots), MOE_WARPS warps; act [slots, ffn]
 // and y [slots, dim] in slot order.
 #define MOE_ROW(T, S)                                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_row_gate_up_##S(              \
