@@ -213,6 +213,63 @@ pub fn rms_norm_gated_mlp_then_add<B: Backend + ?Sized>(
     b.add_assign(residual, product, m * k);
 }
 
+/// What a mixture of experts' layer writes besides its output: the router's f32 logits
+/// (`[rows, experts]`), each slot's expert (i32) and weight (f32), and the backend's
+/// workspace ([`Backend::moe_workspace_len`]).
+pub struct MoeScratch<'a, B: Backend + ?Sized> {
+    pub logits: &'a mut B::Buffer,
+    pub ids: &'a mut B::Buffer,
+    pub weights: &'a mut B::Buffer,
+    pub workspace: &'a mut B::Buffer,
+}
+
+/// The weights of a mixture of experts' layer as [`Backend::rms_norm_moe_add`] takes them:
+/// the router (`[experts, dim]`) and every expert's stacked matrices (see
+/// [`Backend::moe_experts`]).
+pub struct MoeLayer<'a, B: Backend + ?Sized> {
+    pub router: &'a B::Buffer,
+    pub gate_up: &'a B::Buffer,
+    pub down: &'a B::Buffer,
+    pub renormalize: bool,
+}
+
+/// [`Backend::rms_norm_moe_add`]'s default: [`Backend::rms_norm`] into `normed`, the
+/// router's [`Backend::matmul`] into `scratch.logits`, then [`Backend::moe`] adding into
+/// `residual`; also the path of a backend whose fusion does not take the step.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_moe_then_add<B: Backend + ?Sized>(
+    b: &B,
+    residual: &mut B::Buffer,
+    unit: &B::Buffer,
+    eps: f32,
+    layer: MoeLayer<'_, B>,
+    shape: MoeShape,
+    scratch: MoeScratch<'_, B>,
+    normed: &mut B::Buffer,
+) {
+    let (rows, dim, experts) = (shape.rows, shape.dim, shape.experts);
+    b.rms_norm(residual, unit, eps, rows, dim, normed);
+    let logits = MatmulOut {
+        buf: &mut *scratch.logits,
+        row_stride: experts,
+        col_offset: 0,
+    };
+    b.matmul(normed, layer.router, None, rows, experts, dim, logits);
+    b.moe(
+        normed,
+        scratch.logits,
+        shape,
+        layer.renormalize,
+        layer.gate_up,
+        layer.down,
+        scratch.ids,
+        scratch.weights,
+        scratch.workspace,
+        residual,
+        true,
+    );
+}
+
 /// Where a step's new keys and values go, rotated: the arguments of
 /// [`Backend::rope_kv_write`] besides the qkv rows.
 pub struct RopeKvWrite<'a, B: Backend + ?Sized> {
@@ -625,6 +682,25 @@ pub trait Backend: Send + Sync {
         rms_norm_gated_mlp_then_add(
             self, residual, unit, eps, gate_up, down, m, k, ffn, scratch, normed, product,
         );
+    }
+
+    /// `residual += moe(rms_norm(residual))` for a norm whose weights are folded into the
+    /// router and the experts (`unit` holds `shape.dim` ones): [`Backend::rms_norm`] into
+    /// `normed`, the router's product into `scratch.logits`, then [`Backend::moe`], with the
+    /// routing in `scratch.ids` and `scratch.weights`. A backend may take the norm inside
+    /// its router and expert kernels instead (then `normed` is not written).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_moe_add(
+        &self,
+        residual: &mut Self::Buffer,
+        unit: &Self::Buffer,
+        eps: f32,
+        layer: MoeLayer<'_, Self>,
+        shape: MoeShape,
+        scratch: MoeScratch<'_, Self>,
+        normed: &mut Self::Buffer,
+    ) {
+        rms_norm_moe_then_add(self, residual, unit, eps, layer, shape, scratch, normed);
     }
 
     /// f32 elements of scratch [`Backend::paged_attention`] needs for steps of up to

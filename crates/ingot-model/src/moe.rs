@@ -10,7 +10,7 @@
 
 use crate::weights::Linear;
 use anyhow::Result;
-use ingot_backend::{Backend, DType, MoeShape};
+use ingot_backend::{Backend, DType, MoeLayer, MoeScratch, MoeShape};
 
 pub struct MoeWeights<B: Backend> {
     /// `[num_experts, hidden]`.
@@ -56,7 +56,61 @@ impl<B: Backend> MoeBuffers<B> {
     }
 }
 
+impl<B: Backend> MoeBuffers<B> {
+    fn scratch(&mut self) -> MoeScratch<'_, B> {
+        MoeScratch {
+            logits: &mut self.logits,
+            ids: &mut self.ids,
+            weights: &mut self.weights,
+            workspace: &mut self.workspace,
+        }
+    }
+}
+
 impl<B: Backend> MoeWeights<B> {
+    fn shape(&self, rows: usize) -> MoeShape {
+        MoeShape {
+            rows,
+            experts: self.num_experts,
+            experts_per_token: self.experts_per_token,
+            dim: self.router.in_features,
+            ffn: self.ffn,
+        }
+    }
+
+    /// `residual += Σ_e w_e · expert_e(rms_norm(residual))` for a norm folded into the
+    /// router and the experts (`unit`: its weights, ones): one
+    /// [`Backend::rms_norm_moe_add`] where the router is one matrix without bias; otherwise
+    /// the norm into `normed`, then [`MoeWeights::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_add(
+        &self,
+        b: &B,
+        residual: &mut B::Buffer,
+        unit: &B::Buffer,
+        eps: f32,
+        rows: usize,
+        buf: &mut MoeBuffers<B>,
+        normed: &mut B::Buffer,
+    ) {
+        match self.router.parts.as_slice() {
+            [p] if p.bias.is_none() => {
+                let layer = MoeLayer {
+                    router: &p.weight,
+                    gate_up: &self.gate_up,
+                    down: &self.down,
+                    renormalize: self.renormalize,
+                };
+                let shape = self.shape(rows);
+                b.rms_norm_moe_add(residual, unit, eps, layer, shape, buf.scratch(), normed);
+            }
+            _ => {
+                b.rms_norm(residual, unit, eps, rows, self.router.in_features, normed);
+                self.forward(b, normed, rows, buf, residual, true);
+            }
+        }
+    }
+
     /// `out[:rows] = Σ_e w_e · expert_e(x)` over each row's chosen experts, for rows `x`
     /// (`[rows, hidden]`, normed); where `add`, the sum is added to `out` (the residual
     /// stream).
@@ -69,13 +123,7 @@ impl<B: Backend> MoeWeights<B> {
         out: &mut B::Buffer,
         add: bool,
     ) {
-        let shape = MoeShape {
-            rows,
-            experts: self.num_experts,
-            experts_per_token: self.experts_per_token,
-            dim: self.router.in_features,
-            ffn: self.ffn,
-        };
+        let shape = self.shape(rows);
         self.router.forward(b, x, rows, &mut buf.logits);
         b.moe(
             x,

@@ -259,10 +259,8 @@ impl<B: Backend> LayerWeights<B> {
                 mlp.forward_add(b, residual, unit, eps, rows, bufs.scratch, normed, product)
             }
             Mlp::Experts(moe) => {
-                let d = moe.router.in_features;
-                b.rms_norm(residual, unit, eps, rows, d, normed);
                 let buf = bufs.moe.expect("a model with experts has their buffers");
-                moe.forward(b, normed, rows, buf, residual, true);
+                moe.forward_add(b, residual, unit, eps, rows, buf, normed);
             }
         }
     }

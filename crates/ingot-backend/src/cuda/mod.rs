@@ -16,8 +16,9 @@ pub use library::search_dirs;
 pub use module::{compile, PROGRAMS};
 
 use crate::{
-    rms_norm_qkv_then_rope_kv_write, rms_norm_then_matmul, AttentionMetadata, Backend, CacheLayout,
-    DType, MatmulOut, MemoryInfo, MlpScratch, MoeShape, QkvLayout, RopeKvWrite,
+    rms_norm_moe_then_add, rms_norm_qkv_then_rope_kv_write, rms_norm_then_matmul,
+    AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MemoryInfo, MlpScratch, MoeLayer,
+    MoeScratch, MoeShape, QkvLayout, RopeKvWrite,
 };
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
@@ -1420,12 +1421,14 @@ impl Backend for CudaBackend {
         out: &mut CudaBuffer,
         add: bool,
     ) {
+        assert_eq!(x.dtype, out.dtype, "moe's output in the activation dtype");
         if moe::slot_by_slot(x.dtype, shape) {
             self.run_rows(
-                x,
+                x.ptr,
                 logits,
                 shape,
                 renormalize,
+                None,
                 gate_up,
                 down,
                 ids,
@@ -1438,5 +1441,56 @@ impl Backend for CudaBackend {
             self.route(logits, shape, renormalize, ids, weights);
             self.run_experts(x, ids, weights, shape, gate_up, down, workspace, out, add);
         }
+    }
+
+    /// Steps that run slot by slot take the norm inside the router's GEMV (`gemv_norm`) and
+    /// the experts' gate/up kernel, so no norm kernel runs; larger steps norm first.
+    fn rms_norm_moe_add(
+        &self,
+        residual: &mut CudaBuffer,
+        unit: &CudaBuffer,
+        eps: f32,
+        layer: MoeLayer<'_, Self>,
+        shape: MoeShape,
+        scratch: MoeScratch<'_, Self>,
+        normed: &mut CudaBuffer,
+    ) {
+        let (rows, dim, experts) = (shape.rows, shape.dim, shape.experts);
+        if !(moe::slot_by_slot(residual.dtype, shape)
+            && self.gemv_fits(residual, layer.router, rows, dim, None))
+        {
+            return rms_norm_moe_then_add(self, residual, unit, eps, layer, shape, scratch, normed);
+        }
+        let logits = MatmulOut {
+            buf: &mut *scratch.logits,
+            row_stride: experts,
+            col_offset: 0,
+        };
+        self.gemv(
+            "gemv_norm",
+            residual,
+            layer.router,
+            None,
+            rows,
+            experts,
+            dim,
+            logits,
+            false,
+            eps,
+        );
+        self.run_rows(
+            residual.ptr,
+            scratch.logits,
+            shape,
+            layer.renormalize,
+            Some(eps),
+            layer.gate_up,
+            layer.down,
+            scratch.ids,
+            scratch.weights,
+            scratch.workspace,
+            residual,
+            true,
+        );
     }
 }

@@ -4,8 +4,9 @@
 //!
 //! Steps of up to [`ROW_PATH_ROWS`] rows of bf16/f16 experts skip the grouping: each slot
 //! runs as matrix-vector products of its own (`moe_row_*`), routed inside the gate/up
-//! kernel, two launches fewer than the grouped path (route, group). They sum in another k
-//! order than the grouped tiles, so a row's outputs in such a small step may differ from
+//! kernel, two launches fewer than the grouped path (route, group); where the layer's norm
+//! comes with it ([`crate::Backend::rms_norm_moe_add`]), the gate/up kernel also takes the
+//! norm, and the router's GEMV too (no norm kernel). They sum in another k order than the grouped tiles, so a row's outputs in such a small step may differ from
 //! the same row's in a larger step by the rounding of the f32 sums, as the dense GEMV's
 //! differ from the dense tensor-core products'.
 //!
@@ -295,16 +296,20 @@ impl CudaBackend {
         launch!(self, name, (shape.rows as u32, columns, 1), COMBINE_THREADS as u32; y, w, k, dim, o, add);
     }
 
-    /// [`crate::Backend::moe`] slot by slot ([`slot_by_slot`]): the gate/up kernel routes
-    /// each slot's row and writes `ids` and `weights`, then the down product of each slot and
-    /// each row's weighted sum into `out`.
+    /// [`crate::Backend::moe`] slot by slot ([`slot_by_slot`]) of rows at `x` (in the
+    /// activation dtype; taken through an RMSNorm folded into the experts where `norm` gives
+    /// its eps): the gate/up kernel routes each slot's row and writes `ids` and `weights`,
+    /// then the down product of each slot and each row's weighted sum into `out`. `x` is a
+    /// pointer so that it may be `out` itself (the residual stream): the gate/up kernel has
+    /// read it before `moe_combine` writes.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_rows(
         &self,
-        x: &CudaBuffer,
+        x: u64,
         logits: &CudaBuffer,
         shape: MoeShape,
         renormalize: bool,
+        norm: Option<f32>,
         gate_up: &CudaBuffer,
         down: &CudaBuffer,
         ids: &mut CudaBuffer,
@@ -313,7 +318,7 @@ impl CudaBackend {
         out: &mut CudaBuffer,
         add: bool,
     ) {
-        let ws = Workspace::checked(shape, x, gate_up, down, workspace);
+        let ws = Workspace::checked(shape, out, gate_up, down, workspace);
         let slots = shape.slots();
         if slots == 0 {
             return;
@@ -328,20 +333,17 @@ impl CudaBackend {
             shape.dim as i32,
             shape.ffn as i32,
         );
-        let sfx = suffix(x.dtype);
-        let (xp, l, gu, dp, i, w) = (
-            x.ptr,
-            logits.ptr,
-            gate_up.ptr,
-            down.ptr,
-            ids.ptr,
-            weights.ptr,
-        );
-        let rn = renormalize as i32;
+        let sfx = suffix(out.dtype);
+        let (l, gu, dp, i, w) = (logits.ptr, gate_up.ptr, down.ptr, ids.ptr, weights.ptr);
+        let (rn, eps) = (renormalize as i32, norm.unwrap_or(0.0));
+        let gate_up_kernel = match norm {
+            Some(_) => format!("moe_row_gate_up_norm_{sfx}"),
+            None => format!("moe_row_gate_up_{sfx}"),
+        };
         let route_bytes = 4 * (shape.experts + 2 * shape.experts_per_token) as u32;
         let threads = 32 * WARPS as u32;
         let cols = shape.ffn.div_ceil(WARPS * GATE_COLS) as u32;
-        launch!(self, format!("moe_row_gate_up_{sfx}"), label = format!("moe_row_gate_up_{sfx}"), shared = route_bytes, (cols, slots as u32, 1), threads; xp, l, gu, e, k, rn, dim, ffn, i, w, act);
+        launch!(self, gate_up_kernel.clone(), label = gate_up_kernel, shared = route_bytes, (cols, slots as u32, 1), threads; x, l, gu, e, k, rn, dim, ffn, eps, i, w, act);
         self.count_touched_experts(ids, shape);
         let cols = shape.dim.div_ceil(WARPS * DOWN_COLS) as u32;
         launch!(self, format!("moe_row_down_{sfx}"), label = format!("moe_row_down_{sfx}"), (cols, slots as u32, 1), threads; act, dp, i, dim, ffn, y);

@@ -15,8 +15,8 @@ use ingot_backend::quant::dequantize_row;
 use ingot_backend::quant::testing::random_quant_row_scaled;
 use ingot_backend::sampling;
 use ingot_backend::{
-    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, MlpScratch, QkvLayout,
-    RopeKvWrite, SampleRow,
+    AttentionMetadata, Backend, CacheLayout, DType, LogitEdit, MatmulOut, MlpScratch, MoeLayer,
+    MoeScratch, MoeShape, QkvLayout, RopeKvWrite, SampleRow,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -1762,7 +1762,6 @@ pub fn recorded_products_replay_on_new_inputs<G: Backend>(g: &G, dtype: DType, r
 /// order (`one_row_path`), gives those rows within the dtype's tolerance of their rows in
 /// the step instead.
 pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes, one_row_path: bool) {
-    use ingot_backend::MoeShape;
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(21);
     // (rows, experts, k, dim, ffn, one expert wins every row)
@@ -1950,7 +1949,148 @@ pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes, one_row_path: bool) 
                         );
                     }
                 }
+                norm_moe_add_matches_the_cpu(
+                    g, &mut rng, dtype, wd, shape, &gu_buf, &gu, &down_buf, &down,
+                );
             }
         }
     }
+}
+
+/// `rms_norm_moe_add` (`residual += moe(rms_norm(residual))`, the norm folded into the
+/// router and the experts) against the CPU's composition, in three parts so that a near-tie
+/// of the router cannot fail it: the router's logits, the routing of the backend's own
+/// logits, and the residual after the experts' sum over the backend's own routing.
+#[allow(clippy::too_many_arguments)]
+fn norm_moe_add_matches_the_cpu<G: Backend>(
+    g: &G,
+    rng: &mut StdRng,
+    dtype: DType,
+    wd: DType,
+    shape: MoeShape,
+    gu_buf: &G::Buffer,
+    gu: &[f32],
+    down_buf: &G::Buffer,
+    down: &[f32],
+) {
+    let c = cpu();
+    let (rows, experts, k, dim) = (
+        shape.rows,
+        shape.experts,
+        shape.experts_per_token,
+        shape.dim,
+    );
+    let slots = shape.slots();
+    let Some((router_data, router)) = matrix(rng, wd, experts, dim) else {
+        return;
+    };
+    let eps = 1e-5;
+    let unit = vec![1.0; dim];
+    let x = round(&randn(rng, rows * dim), dtype);
+    let mut residual = up(g, &x, dtype);
+    let (mut logits, mut ids, mut weights) = (
+        poisoned(g, DType::F32, rows * experts),
+        poisoned(g, DType::I32, slots),
+        poisoned(g, DType::F32, slots),
+    );
+    let mut workspace = g.alloc(DType::F32, g.moe_workspace_len(shape)).unwrap();
+    let mut normed = poisoned(g, dtype, rows * dim);
+    let layer = MoeLayer {
+        router: &up_raw(g, &router_data, wd, experts * dim),
+        gate_up: gu_buf,
+        down: down_buf,
+        renormalize: true,
+    };
+    let scratch = MoeScratch {
+        logits: &mut logits,
+        ids: &mut ids,
+        weights: &mut weights,
+        workspace: &mut workspace,
+    };
+    let unit_buf = up(g, &unit, DType::F32);
+    g.rms_norm_moe_add(
+        &mut residual,
+        &unit_buf,
+        eps,
+        layer,
+        shape,
+        scratch,
+        &mut normed,
+    );
+    let what = format!("rms_norm_moe_add {dtype}x{wd} {rows}x{experts} top-{k} dim{dim}");
+    let mut cnormed = c.alloc(DType::F32, rows * dim).unwrap();
+    c.rms_norm(
+        &up(&c, &x, DType::F32),
+        &up(&c, &unit, DType::F32),
+        eps,
+        rows,
+        dim,
+        &mut cnormed,
+    );
+    let mut clogits = c.alloc(DType::F32, rows * experts).unwrap();
+    let out = MatmulOut {
+        buf: &mut clogits,
+        row_stride: experts,
+        col_offset: 0,
+    };
+    c.matmul(
+        &cnormed,
+        &up(&c, &router, DType::F32),
+        None,
+        rows,
+        experts,
+        dim,
+        out,
+    );
+    let got_logits = g.download_f32(&logits, rows * experts).unwrap();
+    let want_logits = c.download_f32(&clogits, rows * experts).unwrap();
+    check(&got_logits, &want_logits, dtype, &format!("{what}: logits"));
+    let (mut cids, mut cw) = (
+        c.alloc(DType::I32, slots).unwrap(),
+        c.alloc(DType::F32, slots).unwrap(),
+    );
+    c.moe_route(
+        &up(&c, &got_logits, DType::F32),
+        shape,
+        true,
+        &mut cids,
+        &mut cw,
+    );
+    let got_ids = g.download_i32(&ids, slots).unwrap();
+    assert_eq!(
+        got_ids,
+        c.download_i32(&cids, slots).unwrap(),
+        "{what}: routing"
+    );
+    let got_w = g.download_f32(&weights, slots).unwrap();
+    check(
+        &got_w,
+        &c.download_f32(&cw, slots).unwrap(),
+        DType::F32,
+        &format!("{what}: weights"),
+    );
+    let mut cws = c.alloc(DType::F32, c.moe_workspace_len(shape)).unwrap();
+    let mut want = c.alloc(DType::F32, rows * dim).unwrap();
+    c.moe_experts(
+        &cnormed,
+        &up_i32(&c, &got_ids),
+        &up(&c, &got_w, DType::F32),
+        shape,
+        &up(&c, gu, DType::F32),
+        &up(&c, down, DType::F32),
+        &mut cws,
+        &mut want,
+        false,
+    );
+    let want: Vec<f32> = x
+        .iter()
+        .zip(c.download_f32(&want, rows * dim).unwrap())
+        .map(|(r, w)| r + round(&[w], dtype)[0])
+        .collect();
+    check(
+        &g.download_f32(&residual, rows * dim).unwrap(),
+        &want,
+        dtype,
+        &what,
+    );
 }
