@@ -268,7 +268,7 @@ fn embeddings_match_transformers() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn seeded_sampling_on_the_device() {
-    common::seeded_sampling_on_the_device(gpu(), 6);
+    common::seeded_sampling_on_the_device(gpu(), 6, 24);
 }
 
 /// Structured-output masks in the CUDA sampling kernel: the CPU engine's greedy tokens.

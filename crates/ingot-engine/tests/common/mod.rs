@@ -378,10 +378,14 @@ pub fn cpu_engine_agrees_in_f32<B: Backend + 'static>(backend: B) {
     }
 }
 
-/// Sampling on `backend`'s device for the first `prompts` fixtures: a seed repeats its
-/// tokens and another seed changes them, top-k 1 is greedy, and a logit bias reaches the
-/// kernel.
-pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: usize) {
+/// Sampling on `backend`'s device for the first `prompts` fixtures, `tokens` a sample: a
+/// seed repeats its tokens and another seed changes them, top-k 1 is greedy (over two
+/// thirds as many), and a logit bias reaches the kernel.
+pub fn seeded_sampling_on_the_device<B: Backend + 'static>(
+    backend: B,
+    prompts: usize,
+    tokens: usize,
+) {
     use ingot_core::SamplingParams;
     use ingot_engine::{Engine, EngineConfig};
     use std::sync::Arc;
@@ -418,7 +422,7 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: 
         repetition_penalty: 1.1,
         seed: Some(seed),
         ignore_eos: true,
-        max_tokens: 24,
+        max_tokens: tokens,
         ..SamplingParams::default()
     };
     let a = run(&mut e, seeded(1));
@@ -428,7 +432,7 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: 
         &mut e,
         SamplingParams {
             ignore_eos: true,
-            ..SamplingParams::greedy(16)
+            ..SamplingParams::greedy(tokens * 2 / 3)
         },
     );
     let top1 = run(
@@ -438,7 +442,7 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(backend: B, prompts: 
             top_k: 1,
             seed: Some(3),
             ignore_eos: true,
-            max_tokens: 16,
+            max_tokens: tokens * 2 / 3,
             ..SamplingParams::default()
         },
     );
