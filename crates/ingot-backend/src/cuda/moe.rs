@@ -5,10 +5,11 @@
 //! Steps of up to [`ROW_PATH_ROWS`] rows of bf16/f16 experts skip the grouping: each slot
 //! runs as matrix-vector products of its own (`moe_row_*`), routed inside the gate/up
 //! kernel, two launches fewer than the grouped path (route, group); where the layer's norm
-//! comes with it ([`crate::Backend::rms_norm_moe_add`]), the gate/up kernel also takes the
-//! norm, and the router's GEMV too (no norm kernel). They sum in another k order than the grouped tiles, so a row's outputs in such a small step may differ from
-//! the same row's in a larger step by the rounding of the f32 sums, as the dense GEMV's
-//! differ from the dense tensor-core products'.
+//! comes with it ([`crate::Backend::rms_norm_moe_add`]), the router's GEMV and the gate/up
+//! kernel take the norm too, so no norm kernel runs. They sum in another k order than the
+//! grouped tiles, so a row's outputs in such a small step may differ from the same row's in
+//! a larger step by the rounding of the f32 sums, as the dense GEMV's differ from the dense
+//! tensor-core products'.
 //!
 //! Two kinds of grouped product kernels, chosen by the model's dtype and widths alone, never
 //! by the step's size, so among grouped steps a row's result does not depend on the other
