@@ -32,6 +32,11 @@ fn kernels_compile_for_sm80_and_sm90() {
                 cubin.starts_with(b"\x7fELF"),
                 "{name} for {arch}: not a cubin"
             );
+            // For kernel work: the cubins, to read their machine code with `cuobjdump -sass`.
+            if let Some(dir) = std::env::var_os("INGOT_CUBIN_DIR") {
+                let path = std::path::Path::new(&dir).join(format!("{name}_{arch}.cubin"));
+                std::fs::write(&path, &cubin).expect("write the cubin");
+            }
         }
     });
 }

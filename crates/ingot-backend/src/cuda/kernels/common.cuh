@@ -201,3 +201,14 @@ __device__ __forceinline__ uint4 load_streamed(const void* p) {
         : "l"(p));
     return v;
 }
+
+// 16 bytes of an input that many warps read: through the read-only path, cached in L1. The
+// plain load of a uint4 that unpack8 takes apart was split by the compiler into eight
+// 2-byte loads (ncu, H200, moe_row_gate_up).
+__device__ __forceinline__ uint4 load_input(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}

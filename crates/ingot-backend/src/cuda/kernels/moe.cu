@@ -29,11 +29,33 @@ template <> __device__ __forceinline__ void load8_weights<float>(const float* p,
     load8<float>(p, f);
 }
 
+// Order key of a probability for the warp's integer max (`redux.sync`): a non-negative
+// float's bits order as the float does; a chosen expert (-1) is below every probability.
+__device__ __forceinline__ unsigned prob_key(float p) {
+    return p < 0.0f ? 0u : __float_as_uint(p) + 1u;
+}
+
+// The lane's largest probability among its experts (lane, lane + 32, ...), the lower index
+// first among equals; (-1, INT_MAX) where it has none left.
+__device__ __forceinline__ void lane_best(const float* p, int experts, float& v, int& i) {
+    v = -1.0f;
+    i = 0x7fffffff;
+    for (int e = threadIdx.x & 31; e < experts; e += 32)
+        if (p[e] > v) {
+            v = p[e];
+            i = e;
+        }
+}
+
 // One row's routing, a warp's work: softmax over the experts, the k largest probabilities
 // in descending order (compared as the CPU compares them, so logits that round to one
 // probability tie; the lower index first), rescaled to sum to 1 where `renormalize`, into
 // ids[0, k) and probs[0, k). p: `experts` floats of scratch. A warp a row needs no
-// block-wide barrier between the k choices.
+// block-wide barrier between the k choices. Each choice is two warp-wide integer
+// reductions over the lanes' best candidates (the largest key, then the lowest index
+// holding it), and only the lane that held the chosen expert looks for its next best: the
+// k choices are the routing's serial latency, which the gate/up kernel pays before its
+// first weight load.
 __device__ __forceinline__ void route_row(const float* l, int experts, int k, int renormalize,
                                           float* p, int* ids, float* probs) {
     const int lane = threadIdx.x & 31;
@@ -46,25 +68,26 @@ __device__ __forceinline__ void route_row(const float* l, int experts, int k, in
         s += p[e];
     }
     const float sum = warp_sum(s);
-    __syncwarp();
+    float v;
+    int i;
+    lane_best(p, experts, v, i);
     float chosen = 0.0f;
     for (int j = 0; j < k; j++) {
-        float v = -1.0f;
-        int i = 0x7fffffff;
-        for (int e = lane; e < experts; e += 32)
-            if (p[e] > v) {
-                v = p[e];
-                i = e;
-            }
-        warp_argmax(v, i);
-        chosen += v / sum;
+        const unsigned best = __reduce_max_sync(0xffffffffu, prob_key(v));
+        const int e = (int)__reduce_min_sync(0xffffffffu, prob_key(v) == best ? (unsigned)i
+                                                                               : 0x7fffffffu);
+        const float prob = __uint_as_float(best - 1u) / sum;
+        chosen += prob;
         if (lane == 0) {
-            ids[j] = i;
-            probs[j] = v / sum;
-            p[i] = -1.0f;
+            ids[j] = e;
+            probs[j] = prob;
         }
-        __syncwarp();
+        if ((e & 31) == lane) {
+            p[e] = -1.0f;
+            lane_best(p, experts, v, i);
+        }
     }
+    __syncwarp();
     if (renormalize)
         for (int j = lane; j < k; j += 32) probs[j] /= chosen;
     __syncwarp();
@@ -178,6 +201,57 @@ __device__ __forceinline__ void warp_tile_dots(const X* const* x, int n, const W
         if (r < n)
 #pragma unroll
             for (int c = 0; c < C; c++) acc[r][c] = warp_sum(acc[r][c]);
+}
+
+// Steps along k whose weight loads a lane of the slot-by-slot kernels issues before the
+// first of their products.
+#define MOE_ROW_STEPS 2
+
+// acc[c] = Σ x[kk] · w_c[kk] over [0, len) for one input row against C weight rows,
+// summed over the warp and returned to every lane: warp_tile_dots for one row, in the same
+// order of additions. The weight loads of MOE_ROW_STEPS steps (C * MOE_ROW_STEPS loads of
+// 16 bytes a lane) are issued together before their products; the loop of warp_tile_dots,
+// left to the compiler, had one or two in flight at a time (ncu, H200), where a decode
+// step's few blocks need many to cover the memory's latency.
+template <typename T, int C>
+__device__ __forceinline__ void warp_row_dots(const T* x, const T* const* w, int len,
+                                              float (&acc)[C]) {
+    constexpr int S = MOE_ROW_STEPS;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < C; c++) acc[c] = 0.0f;
+    const int vec_len = len % 8 == 0 ? len : 0;
+    for (int k0 = lane * 8; k0 < vec_len; k0 += 32 * 8 * S) {
+        uint4 wv[S][C];
+#pragma unroll
+        for (int s = 0; s < S; s++) {
+            const int kk = k0 + s * 32 * 8;
+#pragma unroll
+            for (int c = 0; c < C; c++)
+                wv[s][c] = kk < vec_len ? load_streamed(w[c] + kk) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int s = 0; s < S; s++) {
+            const int kk = k0 + s * 32 * 8;
+            if (kk < vec_len) {
+                float xf[8];
+                unpack8<T>(load_input(x + kk), xf);
+#pragma unroll
+                for (int c = 0; c < C; c++) {
+                    float wf[8];
+                    unpack8<T>(wv[s][c], wf);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[c] += wf[i] * xf[i];
+                }
+            }
+        }
+    }
+    for (int kk = vec_len + lane; kk < len; kk += 32) {
+#pragma unroll
+        for (int c = 0; c < C; c++) acc[c] += to_f32(w[c][kk]) * to_f32(x[kk]);
+    }
+#pragma unroll
+    for (int c = 0; c < C; c++) acc[c] = warp_sum(acc[c]);
 }
 
 // Expert e's gate rows of columns j0..j0 + C into wr[0, C) and its up rows of the same
@@ -453,7 +527,7 @@ __device__ void moe_row_gate_up(const T* x, const float* logits, const T* w, int
     int* row_ids = reinterpret_cast<int*>(row_route + experts);
     float* row_probs = reinterpret_cast<float*>(row_ids + k);
     const int slot = blockIdx.y, lane = threadIdx.x & 31;
-    const T* xr[1] = {x + (long long)(slot / k) * dim};
+    const T* xr = x + (long long)(slot / k) * dim;
     if (threadIdx.x < 32)
         route_row(logits + (long long)(slot / k) * experts, experts, k, renormalize, row_route,
                   row_ids, row_probs);
@@ -462,7 +536,7 @@ __device__ void moe_row_gate_up(const T* x, const float* logits, const T* w, int
         float ss = 0.0f;
         for (int kk = lane * 8; kk < dim; kk += 32 * 8) {
             float xf[8];
-            load8<T>(xr[0] + kk, xf);
+            unpack8<T>(load_input(xr + kk), xf);
 #pragma unroll
             for (int i = 0; i < 8; i++) ss += xf[i] * xf[i];
         }
@@ -480,13 +554,13 @@ __device__ void moe_row_gate_up(const T* x, const float* logits, const T* w, int
     if (j0 >= ffn) return;
     const T* wr[2 * C];
     gate_up_rows<T, C>(w, e, j0, dim, ffn, wr);
-    float acc[1][2 * C];
-    warp_tile_dots<T, T, 1, 2 * C>(xr, 1, wr, dim, acc);
+    float acc[2 * C];
+    warp_row_dots<T, 2 * C>(xr, wr, dim, acc);
 #pragma unroll
     for (int c = 0; c < C; c++)
         if (lane == c && j0 + c < ffn) {
-            const float gate = round_to<T>(acc[0][c] * scale);
-            const float up = round_to<T>(acc[0][C + c] * scale);
+            const float gate = round_to<T>(acc[c] * scale);
+            const float up = round_to<T>(acc[C + c] * scale);
             act[(long long)slot * ffn + j0 + c] = from_f32<T>(gate / (1.0f + expf(-gate)) * up);
         }
 }
@@ -500,16 +574,16 @@ __device__ void moe_row_down(const T* act, const T* w, const int* ids, int dim, 
     const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * C;
     if (j0 >= dim) return;
     const long long e = ids[slot];
-    const T* ar[1] = {act + (long long)slot * ffn};
+    const T* ar = act + (long long)slot * ffn;
     const T* wr[C];
 #pragma unroll
     for (int c = 0; c < C; c++) wr[c] = w + (e * dim + min(j0 + c, dim - 1)) * ffn;
-    float acc[1][C];
-    warp_tile_dots<T, T, 1, C>(ar, 1, wr, ffn, acc);
+    float acc[C];
+    warp_row_dots<T, C>(ar, wr, ffn, acc);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < C; c++)
-        if (lane == c && j0 + c < dim) y[(long long)slot * dim + j0 + c] = acc[0][c];
+        if (lane == c && j0 + c < dim) y[(long long)slot * dim + j0 + c] = acc[c];
 }
 
 // Grid: (ceil(ffn / (BN / 2)), tiles of BM slots); 32 * WM * WN threads, the shared
