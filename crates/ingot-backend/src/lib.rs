@@ -327,6 +327,16 @@ pub struct MemoryInfo {
     pub total: usize,
 }
 
+/// The host memory the kernel reports available (`MemAvailable` of /proc/meminfo): what a
+/// backend that runs on the host's cores can still allocate without swapping or being
+/// killed. `None` where it cannot be read.
+pub fn host_available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// A compute device: buffers plus the ops of a transformer step.
 ///
 /// Shapes are given in elements. Activations (and the KV cache) are in the dtype the

@@ -7,7 +7,7 @@ use crate::sampler::{Sampler, TokenLogprobs};
 use crate::structured::{Constraint, Grammar, Grammars};
 use anyhow::{anyhow, bail, Result};
 use ingot_backend::sampling::mask_words;
-use ingot_backend::{Backend, DType, LogitEdit, SampleRow};
+use ingot_backend::{host_available_memory, Backend, DType, LogitEdit, SampleRow};
 use ingot_core::{
     FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
 };
@@ -317,13 +317,6 @@ fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
-fn available_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 impl<B: Backend> Engine<B> {
     pub fn new(
         backend: B,
@@ -374,7 +367,7 @@ impl<B: Backend> Engine<B> {
         let num_blocks = match (config.kv_cache_memory, backend.memory_info()) {
             (Some(bytes), _) => bytes / block_bytes,
             (None, _) if on_cpu => {
-                let half = available_memory().unwrap_or(8 << 30) / 2 / block_bytes;
+                let half = host_available_memory().unwrap_or(8 << 30) / 2 / block_bytes;
                 if half < useful {
                     tracing::warn!(
                         "{max_num_seqs} sequences of {max_model_len} tokens need {:.2} GiB of KV cache; taking half the available memory, {:.2} GiB (--kv-cache-memory, --max-num-seqs or --max-model-len set it)",
@@ -408,7 +401,9 @@ impl<B: Backend> Engine<B> {
                 );
                 left / block_bytes
             }
-            (None, None) => (available_memory().unwrap_or(4 << 30) / 4 / block_bytes).min(useful),
+            (None, None) => {
+                (host_available_memory().unwrap_or(4 << 30) / 4 / block_bytes).min(useful)
+            }
         };
         let num_blocks = match backend.max_buffer_bytes() {
             // Each layer's keys (and values) are one buffer.

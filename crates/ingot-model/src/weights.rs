@@ -8,7 +8,7 @@ use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
 use ingot_backend::quant::dequantize_row;
-use ingot_backend::{Backend, DType, MatmulOut, MlpScratch};
+use ingot_backend::{host_available_memory, Backend, DType, MatmulOut, MlpScratch};
 use rayon::prelude::*;
 use std::str::FromStr;
 
@@ -363,6 +363,10 @@ struct Loader<'a, B: Backend> {
     dtype: WeightDType,
     activation: DType,
     bytes: usize,
+    /// The host memory available now, on a backend whose buffers are host memory: a model
+    /// larger than the machine is refused as it reaches the limit, with the sizes, instead
+    /// of the process being killed for memory.
+    available: Option<fn() -> Option<usize>>,
     progress: ProgressBar,
     /// Host buffers that stacked matrices were converted into, kept for the next stack:
     /// fresh ones as large as a layer's experts are page-faulted in anew for every layer
@@ -371,6 +375,10 @@ struct Loader<'a, B: Backend> {
     /// 23.1 s).
     spare: Vec<Vec<u8>>,
 }
+
+/// Host memory a host backend keeps free past the weights while loading them: the engine's
+/// activations and KV cache come next.
+const HOST_HEADROOM: usize = 1 << 30;
 
 /// Elements converted per task: a multiple of every block length (32, 256).
 const CONVERT_CHUNK: usize = 1 << 16;
@@ -433,6 +441,20 @@ impl<'a, B: Backend> Loader<'a, B> {
     }
 
     fn upload(&mut self, dtype: DType, numel: usize, bytes: &[u8]) -> Result<B::Buffer> {
+        if let Some(avail) = self.available.and_then(|available| available()) {
+            let gib = |n: usize| n as f64 / (1u64 << 30) as f64;
+            ensure!(
+                avail >= 2 * bytes.len() + HOST_HEADROOM,
+                "{}: the weights do not fit in this machine's memory: {:.2} GiB loaded, {:.2} GiB \
+                 available, and the next tensor takes {:.2} GiB (loading holds about twice a \
+                 tensor's size while it converts the next, and leaves {:.0} GiB for the rest)",
+                self.ckpt.path().display(),
+                gib(self.bytes),
+                gib(avail),
+                gib(bytes.len()),
+                gib(HOST_HEADROOM)
+            );
+        }
         let mut buf = self.b.alloc(dtype, numel)?;
         self.b.upload(&mut buf, bytes)?;
         self.bytes += bytes.len();
@@ -602,6 +624,21 @@ impl<B: Backend> Weights<B> {
         cfg: &ModelConfig,
         dtype: WeightDType,
     ) -> Result<Weights<B>> {
+        let available = b
+            .runs_on_host_cpu()
+            .then_some(host_available_memory as fn() -> Option<usize>);
+        Self::load_within(b, ckpt, cfg, dtype, available)
+    }
+
+    /// [`Weights::load`], asking `available` for the memory left before each tensor is
+    /// placed, where the backend's buffers are host memory.
+    fn load_within(
+        b: &B,
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        dtype: WeightDType,
+        available: Option<fn() -> Option<usize>>,
+    ) -> Result<Weights<B>> {
         let progress = ProgressBar::new(ckpt.tensor_count() as u64).with_style(
             ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors")
                 .expect("valid template"),
@@ -624,6 +661,7 @@ impl<B: Backend> Weights<B> {
             dtype,
             activation,
             bytes: 0,
+            available,
             progress,
             spare: vec![],
         };
@@ -773,6 +811,29 @@ mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use std::borrow::Cow;
+
+    /// Weights past the memory a host backend has are refused with the sizes; the same
+    /// model loads with room for it, or where the memory cannot be read.
+    #[test]
+    fn weights_past_the_host_memory_are_refused() {
+        use crate::synthetic::SyntheticSpec;
+        use crate::Arch;
+        let dir = std::env::temp_dir().join(format!("ingot-room-{}", std::process::id()));
+        SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let cfg = ckpt.config().unwrap();
+        let b = ingot_backend::cpu::CpuBackend::new(Some(1)).unwrap();
+        let load = |available| Weights::load_within(&b, &ckpt, &cfg, WeightDType::Auto, available);
+        let little: fn() -> Option<usize> = || Some(HOST_HEADROOM + 1000);
+        let e = load(Some(little)).err().expect("no room").to_string();
+        assert!(e.contains("do not fit in this machine's memory"), "{e}");
+        let plenty: fn() -> Option<usize> = || Some(4 * HOST_HEADROOM);
+        let unknown: fn() -> Option<usize> = || None;
+        let all = load(None).unwrap().bytes;
+        assert_eq!(load(Some(plenty)).unwrap().bytes, all);
+        assert_eq!(load(Some(unknown)).unwrap().bytes, all);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// The parallel conversion equals converting each value alone, over several chunks and
     /// a partial last one, from floats and from blocks.
