@@ -51,8 +51,17 @@ pub const MMA_WARPS: usize = 8;
 /// Values of the f16 scratch that larger products dequantize into (64 MiB): a matrix larger
 /// than that is multiplied in runs of rows, so the scratch does not grow with the model.
 pub const SCRATCH_VALUES: usize = 32 << 20;
-/// Threads of the kernels' blocks (QUANT_THREADS).
+/// Threads of the dequantizing and embedding kernels' blocks.
 const THREADS: u32 = 256;
+
+/// Threads of a `quant_gemv` block of `dtype` (32 × GemvShape's WARPS in `quant.cu`): a warp
+/// step covers 1,024 values of a K-quant row and 512 of the 32-value formats.
+fn gemv_threads(dtype: DType) -> u32 {
+    match dtype {
+        DType::Q4K | DType::Q6K => 128,
+        _ => 256,
+    }
+}
 
 /// The kernels' name for format `dtype`.
 fn format(dtype: DType) -> &'static str {
@@ -177,7 +186,7 @@ impl CudaBackend {
         if m <= GEMV_MAX_ROWS {
             let name = format!("quant_gemv_{f}_{}_m{m}", suffix(out.buf.dtype));
             launch!(self, name, label = format!("quant_gemv {} m{m} n{n} k{k}", w.dtype),
-                (n.div_ceil(GEMV_ROWS) as u32, 1, 1), THREADS;
+                (n.div_ceil(GEMV_ROWS) as u32, 1, 1), gemv_threads(w.dtype);
                 xp, wp, nb, bp, nn, kk, o, ldl, acc);
             return;
         }

@@ -4,9 +4,6 @@
 // dequantized to f32 in registers as `quant/mod.rs` dequantizes them, and every sum is f32;
 // activations are f16 (the block scales' type).
 
-#define QUANT_THREADS 256
-#define QUANT_WARPS (QUANT_THREADS / 32)
-
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
 
 // A matrix's blocks are kept in two runs (the backend repacks them at upload): every block's
@@ -47,42 +44,73 @@ template <int F> __device__ __forceinline__ int run_b(int p) {
     return 16 + 8 * p;
 }
 
-// The 6-bit scale and min of sub-block j from the 12 packed bytes q (quant/mod.rs's
-// scale_min_k4).
-__device__ __forceinline__ void scale_min_k4(int j, const unsigned char* q, int& sc, int& m) {
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// The 6-bit scale and min of sub-block j of a Q4_K block (quant/mod.rs's scale_min_k4) from
+// its scale bytes held in registers (words y, z and w of sc), for a j known only at run
+// time: bytes picked by shifts, not by indexing memory (which puts the words on the stack).
+__device__ __forceinline__ void scale_min_k4_words(int j, const uint4& sc, int& s, int& m) {
+    auto byte = [&](int i) { return (int)((word_of(sc, 1 + (i >> 2)) >> (8 * (i & 3))) & 0xff); };
     if (j < 4) {
-        sc = q[j] & 63;
-        m = q[j + 4] & 63;
+        s = byte(j) & 63;
+        m = byte(j + 4) & 63;
     } else {
-        sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        s = (byte(j + 4) & 0x0F) | ((byte(j - 4) >> 6) << 4);
+        m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
     }
 }
 
-// Part p of block g: its VALS values, y[0..VALS/2) of run_a and y[VALS/2..VALS) of run_b.
+// Part p of block g as loaded: the quant and scale words its values need, kept raw so that a
+// kernel can issue the loads of several rows before it dequantizes any (quant_gemv).
+//   q: the part's quants (Q4_0, Q4_1: q.x and q.y); qh: Q6_K's high bits.
+//   sc: Q8_0, Q4_0 the f16 d in sc.x; Q4_1 d and m in sc.x; Q4_K the block's 16 scale bytes;
+//   Q6_K d in sc.x and the two sub-block scales (signed bytes) in sc.y and sc.z.
+struct RawPart {
+    uint4 q, qh, sc;
+};
+
 template <int F>
-__device__ __forceinline__ void dequantize_part(const unsigned char* w, long long nb, long long g,
-                                                int p, float* y) {
+__device__ __forceinline__ RawPart load_part(const unsigned char* w, long long nb, long long g,
+                                             int p) {
     const unsigned char* quants = w + g * Block<F>::QS;
     const unsigned char* s = w + nb * Block<F>::QS + g * Block<F>::SC;
+    RawPart r{};
     if (F == Q8_0) {
-        const float d = half_bits(*reinterpret_cast<const u16*>(s));
-        const uint4 q = *reinterpret_cast<const uint4*>(quants + 16 * p);
-        const u32 words[4] = {q.x, q.y, q.z, q.w};
+        r.q = load_streamed(quants + 16 * p);
+        r.sc.x = *reinterpret_cast<const u16*>(s);
+    } else if (F == Q4_0 || F == Q4_1) {
+        const uint2 q = *reinterpret_cast<const uint2*>(quants + 8 * p);
+        r.q.x = q.x;
+        r.q.y = q.y;
+        r.sc.x = F == Q4_1 ? *reinterpret_cast<const u32*>(s) : *reinterpret_cast<const u16*>(s);
+    } else if (F == Q4_K) {
+        r.sc = *reinterpret_cast<const uint4*>(s);
+        r.q = load_streamed(quants + 32 * (p >> 1) + 16 * (p & 1));
+    } else {
+        const int half = p >> 2, j = (p >> 1) & 1, h = p & 1;
+        r.sc.x = *reinterpret_cast<const u16*>(s + 16);
+        r.sc.y = (u32)s[8 * half + h + 2 * j];
+        r.sc.z = (u32)s[8 * half + h + 4 + 2 * j];
+        r.q = load_streamed(quants + 64 * half + 32 * j + 16 * h);
+        r.qh = load_streamed(quants + 128 + 32 * half + 16 * h);
+    }
+    return r;
+}
+
+// Part p's VALS values from its raw words: y[0..VALS/2) of run_a and y[VALS/2..VALS) of run_b.
+template <int F> __device__ __forceinline__ void dequantize_raw(const RawPart& r, int p, float* y) {
+    if (F == Q8_0) {
+        const float d = half_bits(r.sc.x);
+        const u32 words[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
         for (int i = 0; i < 16; i++)
             y[i] = d * (float)(signed char)((words[i >> 2] >> (8 * (i & 3))) & 0xff);
     } else if (F == Q4_0 || F == Q4_1) {
-        float d, m = 0.0f;
-        if (F == Q4_1) {
-            const u32 dm = *reinterpret_cast<const u32*>(s);
-            d = half_bits(dm & 0xffff);
-            m = half_bits(dm >> 16);
-        } else {
-            d = half_bits(*reinterpret_cast<const u16*>(s));
-        }
-        const uint2 q = *reinterpret_cast<const uint2*>(quants + 8 * p);
-        const u32 words[2] = {q.x, q.y};
+        const float d = half_bits(r.sc.x & 0xffff);
+        const float m = F == Q4_1 ? half_bits(r.sc.x >> 16) : 0.0f;
+        const u32 words[2] = {r.q.x, r.q.y};
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const u32 byte = (words[i >> 2] >> (8 * (i & 3))) & 0xff;
@@ -95,17 +123,14 @@ __device__ __forceinline__ void dequantize_part(const unsigned char* w, long lon
             }
         }
     } else if (F == Q4_K) {
-        const uint4 sv = *reinterpret_cast<const uint4*>(s);
-        const unsigned char* sb = reinterpret_cast<const unsigned char*>(&sv);
-        const float d = half_bits(sb[0] | (sb[1] << 8)), dmin = half_bits(sb[2] | (sb[3] << 8));
+        const float d = half_bits(r.sc.x & 0xffff), dmin = half_bits(r.sc.x >> 16);
         const int c = p >> 1;
         int sc1, m1, sc2, m2;
-        scale_min_k4(2 * c, sb + 4, sc1, m1);
-        scale_min_k4(2 * c + 1, sb + 4, sc2, m2);
+        scale_min_k4_words(2 * c, r.sc, sc1, m1);
+        scale_min_k4_words(2 * c + 1, r.sc, sc2, m2);
         const float d1 = d * (float)sc1, mm1 = dmin * (float)m1;
         const float d2 = d * (float)sc2, mm2 = dmin * (float)m2;
-        const uint4 q = *reinterpret_cast<const uint4*>(quants + 32 * c + 16 * (p & 1));
-        const u32 words[4] = {q.x, q.y, q.z, q.w};
+        const u32 words[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const u32 byte = (words[i >> 2] >> (8 * (i & 3))) & 0xff;
@@ -113,13 +138,11 @@ __device__ __forceinline__ void dequantize_part(const unsigned char* w, long lon
             y[16 + i] = d2 * (float)(byte >> 4) - mm2;
         }
     } else {
-        const int half = p >> 2, j = (p >> 1) & 1, h = p & 1;
-        const float d = half_bits(*reinterpret_cast<const u16*>(s + 16));
-        const float d_a = d * (float)(signed char)s[8 * half + h + 2 * j];
-        const float d_b = d * (float)(signed char)s[8 * half + h + 4 + 2 * j];
-        const uint4 ql = *reinterpret_cast<const uint4*>(quants + 64 * half + 32 * j + 16 * h);
-        const uint4 qh = *reinterpret_cast<const uint4*>(quants + 128 + 32 * half + 16 * h);
-        const u32 lw[4] = {ql.x, ql.y, ql.z, ql.w}, hw[4] = {qh.x, qh.y, qh.z, qh.w};
+        const int j = (p >> 1) & 1;
+        const float d = half_bits(r.sc.x);
+        const float d_a = d * (float)(signed char)r.sc.y;
+        const float d_b = d * (float)(signed char)r.sc.z;
+        const u32 lw[4] = {r.q.x, r.q.y, r.q.z, r.q.w}, hw[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const u32 lo = (lw[i >> 2] >> (8 * (i & 3))) & 0xff;
@@ -132,11 +155,27 @@ __device__ __forceinline__ void dequantize_part(const unsigned char* w, long lon
     }
 }
 
+template <int F>
+__device__ __forceinline__ void dequantize_part(const unsigned char* w, long long nb, long long g,
+                                                int p, float* y) {
+    dequantize_raw<F>(load_part<F>(w, nb, g, p), p, y);
+}
+
+// quant_gemv's warps a block (the Rust side launches 32 * WARPS threads) and the blocks an SM
+// should hold (launch bounds). A warp step covers 512 values of a 32-value format and 1,024
+// of a K-quant, so 8 and 4 warps cover a row of 4,096 in one step: with 8, half of a
+// K-quant block's warps waited at the barrier (ncu, H200, Llama-3.1-8B shapes). MIN is the
+// register budget that keeps every row's loads in flight without spilling; Q6_K's three
+// words a part take about 190 registers (124 bytes of spills at 128).
+template <int F> struct GemvShape { static constexpr int WARPS = 8, MIN = 3; };
+template <> struct GemvShape<Q4_K> { static constexpr int WARPS = 4, MIN = 4; };
+template <> struct GemvShape<Q6_K> { static constexpr int WARPS = 4, MIN = 2; };
+
 // out[r, j] (+)= Σ_k x[r, k] · w[j, k] (+ bias[j]) for r < M and QUANT_ROWS rows j of w per
 // block: each x value read serves QUANT_ROWS weight rows. Lanes take a part of a block each
 // (32 / PARTS consecutive blocks per warp step), so a warp reads 256 to 512 contiguous bytes
-// of quants and 512 to 2,048 contiguous bytes of x per row; the block's 8 warps take every
-// 8th group of blocks along k, and their sums meet in shared memory in warp order. A row's
+// of quants and 512 to 2,048 contiguous bytes of x per row; the block's WARPS warps take
+// every WARPS-th group of blocks along k, and their sums meet in shared memory in warp order. A row's
 // sums are taken in the same order whatever M is, so a row's result does not depend on the
 // other rows of its step.
 template <int F, typename O, int M>
@@ -144,7 +183,8 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
                            int n, int k, O* out, long long ld, int accumulate) {
     constexpr int PARTS = Block<F>::PARTS, VALS = Block<F>::VALS, PER_WARP = 32 / PARTS;
     constexpr int V = VALS / 16;  // 16-byte pieces of x per run
-    __shared__ float partial[QUANT_WARPS][M][QUANT_ROWS];
+    constexpr int WARPS = GemvShape<F>::WARPS;
+    __shared__ float partial[WARPS][M][QUANT_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane % PARTS;
     const int j0 = blockIdx.x * QUANT_ROWS;
     const int blocks = k / Block<F>::QK;
@@ -154,7 +194,15 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
 #pragma unroll
         for (int i = 0; i < QUANT_ROWS; i++) acc[r][i] = 0.0f;
 #pragma unroll 2
-    for (int b = warp * PER_WARP + lane / PARTS; b < blocks; b += QUANT_WARPS * PER_WARP) {
+    for (int b = warp * PER_WARP + lane / PARTS; b < blocks; b += WARPS * PER_WARP) {
+        // Every row's loads go out before any product: one row at a time, a lane had only
+        // its 8 to 32 bytes in flight and waited on memory once a row (SASS, H200). Rows
+        // past n repeat row n - 1 and are not stored; a branch there let the compiler sink
+        // each row's loads back under it.
+        RawPart raw[QUANT_ROWS];
+#pragma unroll
+        for (int i = 0; i < QUANT_ROWS; i++)
+            raw[i] = load_part<F>(w, nb, (long long)min(j0 + i, n - 1) * blocks + b, p);
         uint4 xa[M][V], xb[M][V];
 #pragma unroll
         for (int r = 0; r < M; r++) {
@@ -167,9 +215,8 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
         }
 #pragma unroll
         for (int i = 0; i < QUANT_ROWS; i++) {
-            if (j0 + i >= n) break;
             float wf[VALS];
-            dequantize_part<F>(w, nb, (long long)(j0 + i) * blocks + b, p, wf);
+            dequantize_raw<F>(raw[i], p, wf);
 #pragma unroll
             for (int r = 0; r < M; r++) {
 #pragma unroll
@@ -202,7 +249,7 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
         if (j < n) {
             float v = 0.0f;
 #pragma unroll
-            for (int q = 0; q < QUANT_WARPS; q++) v += partial[q][r][i];
+            for (int q = 0; q < WARPS; q++) v += partial[q][r][i];
             if (bias) v += bias[j];
             O* o = out + r * ld + j;
             if (accumulate) v += to_f32(*o);
@@ -295,23 +342,6 @@ __device__ __forceinline__ uint2 load_cached2(const void* p) {
     uint2 v;
     asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
-}
-
-__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// scale_min_k4 of a Q4_K block's scale bytes held in registers (words y, z and w of sc), for
-// a sub-block j known only at run time: bytes picked by shifts, not by indexing memory.
-__device__ __forceinline__ void scale_min_k4_words(int j, const uint4& sc, int& s, int& m) {
-    auto byte = [&](int i) { return (int)((word_of(sc, 1 + (i >> 2)) >> (8 * (i & 3))) & 0xff); };
-    if (j < 4) {
-        s = byte(j) & 63;
-        m = byte(j + 4) & 63;
-    } else {
-        s = (byte(j + 4) & 0x0F) | ((byte(j - 4) >> 6) << 4);
-        m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
-    }
 }
 
 // f16 pairs (f16x2): the dequantization below works on two values an instruction.
@@ -571,7 +601,8 @@ __device__ void quant_embedding(const unsigned char* table, long long nb, const 
 }
 
 #define QUANT_GEMV(F, S, O, SO, M)                                                                 \
-    extern "C" __global__ void __launch_bounds__(QUANT_THREADS) quant_gemv_##S##_##SO##_m##M(     \
+    extern "C" __global__ void __launch_bounds__(32 * GemvShape<F>::WARPS, GemvShape<F>::MIN)      \
+        quant_gemv_##S##_##SO##_m##M(                                                              \
         const f16* x, const unsigned char* w, long long nb, const float* bias, int n, int k,       \
         O* out, long long ld, int accumulate) {                                                    \
         await_previous_kernel();                                                                   \
