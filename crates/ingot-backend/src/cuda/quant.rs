@@ -4,7 +4,8 @@
 //! block's quants and then every block's scales, so that the kernels read the quants in
 //! whole 16-byte pieces (the file's 18-, 20-, 34- and 210-byte blocks cannot be). Decode
 //! products read the blocks once and dequantize them in registers: one row on the CUDA
-//! cores (`quant_gemv`), up to 32 or [`MMA_MAX_ROWS`] rows ([`mma_max_rows`]) on tensor
+//! cores (`quant_gemv`; Q4_K and Q6_K as int8 dot products against the row quantized per 32
+//! values, `quant_gemv_q8`), up to 32 or [`MMA_MAX_ROWS`] rows ([`mma_max_rows`]) on tensor
 //! cores (`quant_mma`). Larger ones (prefill) dequantize the matrix, [`SCRATCH_VALUES`]
 //! values at a time, into an f16 scratch buffer and run as f16 products (cuBLASLt). The
 //! three paths sum in different orders, so a row's result depends on which one its step
@@ -62,6 +63,14 @@ fn gemv_threads(dtype: DType) -> u32 {
         _ => 256,
     }
 }
+
+/// Shared memory of `quant_gemv_q8` for a row of `k` activations: their int8 values and an f32
+/// scale per 32.
+fn q8_row_bytes(k: usize) -> usize {
+    k + 4 * k.div_ceil(32)
+}
+/// Most shared memory a kernel gets without opting in; longer rows take `quant_gemv`.
+const Q8_MAX_BYTES: usize = 47 << 10;
 
 /// The kernels' name for format `dtype`.
 fn format(dtype: DType) -> &'static str {
@@ -183,6 +192,14 @@ impl CudaBackend {
         let (mm, nn, kk, ldl) = (m as i32, n as i32, k as i32, out.row_stride as i64);
         let (bp, acc) = (bias.map_or(0, |b| b.ptr), i32::from(accumulate));
         let (f, o) = (format(w.dtype), out.buf.at(out.col_offset));
+        if m == 1 && matches!(w.dtype, DType::Q4K | DType::Q6K) && q8_row_bytes(k) <= Q8_MAX_BYTES {
+            let name = format!("quant_gemv_q8_{f}_{}", suffix(out.buf.dtype));
+            launch!(self, name, label = format!("quant_gemv_q8 {} n{n} k{k}", w.dtype),
+                shared = q8_row_bytes(k) as u32,
+                (n.div_ceil(GEMV_ROWS) as u32, 1, 1), gemv_threads(w.dtype);
+                xp, wp, nb, bp, nn, kk, o, ldl, acc);
+            return;
+        }
         if m <= GEMV_MAX_ROWS {
             let name = format!("quant_gemv_{f}_{}_m{m}", suffix(out.buf.dtype));
             launch!(self, name, label = format!("quant_gemv {} m{m} n{n} k{k}", w.dtype),

@@ -2,7 +2,8 @@
 // (32 values a block behind an f16 scale, and Q4_1's f16 minimum), Q4_K and Q6_K (256
 // values a block with 6- or 8-bit scales of 32- or 16-value sub-blocks). Values are
 // dequantized to f32 in registers as `quant/mod.rs` dequantizes them, and every sum is f32;
-// activations are f16 (the block scales' type).
+// activations are f16 (the block scales' type). The exception is quant_gemv_q8 (one row of
+// Q4_K or Q6_K): integer sums of int8 products, scaled and summed in f32.
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
 
@@ -171,6 +172,36 @@ template <int F> struct GemvShape { static constexpr int WARPS = 8, MIN = 3; };
 template <> struct GemvShape<Q4_K> { static constexpr int WARPS = 4, MIN = 4; };
 template <> struct GemvShape<Q6_K> { static constexpr int WARPS = 4, MIN = 2; };
 
+// The end of a one-row-product block: its warps' sums of QUANT_ROWS weight rows meet in
+// shared memory in warp order, then bias, accumulation and the store.
+template <int WARPS, int M, typename O>
+__device__ __forceinline__ void store_gemv_rows(float (&acc)[M][QUANT_ROWS],
+                                                float (&partial)[WARPS][M][QUANT_ROWS], int j0,
+                                                const float* bias, int n, O* out, long long ld,
+                                                int accumulate) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < M; r++)
+#pragma unroll
+        for (int i = 0; i < QUANT_ROWS; i++) {
+            const float v = warp_sum(acc[r][i]);
+            if (lane == 0) partial[warp][r][i] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < M * QUANT_ROWS) {
+        const int r = threadIdx.x / QUANT_ROWS, i = threadIdx.x % QUANT_ROWS, j = j0 + i;
+        if (j < n) {
+            float v = 0.0f;
+#pragma unroll
+            for (int q = 0; q < WARPS; q++) v += partial[q][r][i];
+            if (bias) v += bias[j];
+            O* o = out + r * ld + j;
+            if (accumulate) v += to_f32(*o);
+            *o = from_f32<O>(v);
+        }
+    }
+}
+
 // out[r, j] (+)= Σ_k x[r, k] · w[j, k] (+ bias[j]) for r < M and QUANT_ROWS rows j of w per
 // block: each x value read serves QUANT_ROWS weight rows. Lanes take a part of a block each
 // (32 / PARTS consecutive blocks per warp step), so a warp reads 256 to 512 contiguous bytes
@@ -236,26 +267,108 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
             }
         }
     }
+    store_gemv_rows<WARPS, M, O>(acc, partial, j0, bias, n, out, ld, accumulate);
+}
+
+// One-row products of K-quant blocks (Q4_K, Q6_K) on int8 dot products, as llama.cpp's MMVQ:
+// the block quantizes the activation row into shared memory, 32 values to an f32 scale
+// (max |x| / 127) and int8 values rounded to nearest (the CPU backend rounds its activations
+// to int8 too, with a scale per 256 values for K-quants), then a lane's part of a block is 8 `dp4a` over its 32 quants and 8 over the part's x
+// (the sums the minimums and Q6_K's offset of 32 need). Dequantizing to f32 cost about five
+// instructions a weight, and the ALU pipe bound quant_gemv (ncu, H200, Q4_K). The first
+// step's weight loads go out before the wait on the previous kernel: weights are constant.
+// Shared memory: k bytes of quants, then k / 32 scales.
+template <int F, typename O>
+__device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb, const float* bias,
+                              int n, int k, O* out, long long ld, int accumulate) {
+    constexpr int PARTS = Block<F>::PARTS, PER_WARP = 32 / PARTS, WARPS = GemvShape<F>::WARPS;
+    extern __shared__ __align__(16) unsigned char x_q8[];
+    const float* xd = reinterpret_cast<const float*>(x_q8 + k);
+    __shared__ float partial[WARPS][1][QUANT_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane % PARTS;
+    const int j0 = blockIdx.x * QUANT_ROWS;
+    const int blocks = k / Block<F>::QK, b0 = warp * PER_WARP + lane / PARTS;
+    RawPart raw[QUANT_ROWS];
+    auto load_rows = [&](int b) {
 #pragma unroll
-    for (int r = 0; r < M; r++)
+        for (int i = 0; i < QUANT_ROWS; i++)
+            raw[i] = load_part<F>(w, nb, (long long)min(j0 + i, n - 1) * blocks + b, p);
+    };
+    load_rows(min(b0, blocks - 1));
+    await_previous_kernel();
+    for (int g = threadIdx.x; g < k / 32; g += 32 * WARPS) {
+        float v[32];
+#pragma unroll
+        for (int u = 0; u < 4; u++) unpack8<f16>(load_input(x + 32 * g + 8 * u), v + 8 * u);
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        u32 q[8];
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            q[t] = 0;
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                q[t] |= (u32)(__float2int_rn(v[4 * t + c] * inv) & 0xff) << (8 * c);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(x_q8 + 32 * g);
+        dst[0] = make_uint4(q[0], q[1], q[2], q[3]);
+        dst[1] = make_uint4(q[4], q[5], q[6], q[7]);
+        reinterpret_cast<float*>(x_q8 + k)[g] = amax / 127.0f;
+    }
+    __syncthreads();
+    float acc[1][QUANT_ROWS] = {};
+    for (int b = b0; b < blocks; b += WARPS * PER_WARP) {
+        if (b != b0) load_rows(b);
+        // The part's two runs of 16 x values, each inside one 32-value scale group.
+        const int xa = b * Block<F>::QK + run_a<F>(p), xb = b * Block<F>::QK + run_b<F>(p);
+        const uint4 qa = *reinterpret_cast<const uint4*>(x_q8 + xa);
+        const uint4 qb = *reinterpret_cast<const uint4*>(x_q8 + xb);
+        const u32 wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+        const float da = xd[xa >> 5], db = xd[xb >> 5];
+        int sa = 0, sb = 0;
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            sa = __dp4a(0x01010101, (int)wa[t], sa);
+            sb = __dp4a(0x01010101, (int)wb[t], sb);
+        }
 #pragma unroll
         for (int i = 0; i < QUANT_ROWS; i++) {
-            const float v = warp_sum(acc[r][i]);
-            if (lane == 0) partial[warp][r][i] = v;
-        }
-    __syncthreads();
-    if (threadIdx.x < M * QUANT_ROWS) {
-        const int r = threadIdx.x / QUANT_ROWS, i = threadIdx.x % QUANT_ROWS, j = j0 + i;
-        if (j < n) {
-            float v = 0.0f;
+            const RawPart& r = raw[i];
+            const u32 lw[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+            int ia = 0, ib = 0;
+            if (F == Q4_K) {
 #pragma unroll
-            for (int q = 0; q < WARPS; q++) v += partial[q][r][i];
-            if (bias) v += bias[j];
-            O* o = out + r * ld + j;
-            if (accumulate) v += to_f32(*o);
-            *o = from_f32<O>(v);
+                for (int t = 0; t < 4; t++) {
+                    ia = __dp4a((int)(lw[t] & 0x0f0f0f0fu), (int)wa[t], ia);
+                    ib = __dp4a((int)((lw[t] >> 4) & 0x0f0f0f0fu), (int)wb[t], ib);
+                }
+                const float d = half_bits(r.sc.x & 0xffff), dmin = half_bits(r.sc.x >> 16);
+                const int c = p >> 1;
+                int sc1, m1, sc2, m2;
+                scale_min_k4_words(2 * c, r.sc, sc1, m1);
+                scale_min_k4_words(2 * c + 1, r.sc, sc2, m2);
+                acc[0][i] += da * (d * (float)sc1 * (float)ia - dmin * (float)m1 * (float)sa) +
+                             db * (d * (float)sc2 * (float)ib - dmin * (float)m2 * (float)sb);
+            } else {
+                const int j = (p >> 1) & 1;
+                const u32 hw[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
+#pragma unroll
+                for (int t = 0; t < 4; t++) {
+                    const u32 lo = lw[t] & 0x0f0f0f0fu, hi = (lw[t] >> 4) & 0x0f0f0f0fu;
+                    const u32 ha = ((hw[t] >> (2 * j)) & 0x03030303u) << 4;
+                    const u32 hb = ((hw[t] >> (2 * j + 4)) & 0x03030303u) << 4;
+                    ia = __dp4a((int)(lo | ha), (int)wa[t], ia);
+                    ib = __dp4a((int)(hi | hb), (int)wb[t], ib);
+                }
+                const float d = half_bits(r.sc.x);
+                acc[0][i] += da * d * (float)(signed char)r.sc.y * (float)(ia - 32 * sa) +
+                             db * d * (float)(signed char)r.sc.z * (float)(ib - 32 * sb);
+            }
         }
     }
+    store_gemv_rows<WARPS, 1, O>(acc, partial, j0, bias, n, out, ld, accumulate);
 }
 
 // Products of 5 to 8 * NT rows on tensor cores, reading the blocks once: a block of
@@ -609,6 +722,14 @@ __device__ void quant_embedding(const unsigned char* table, long long nb, const 
         quant_gemv<F, O, M>(x, w, nb, bias, n, k, out, ld, accumulate);                            \
     }
 
+#define QUANT_GEMV_Q8(F, S, O, SO)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * GemvShape<F>::WARPS, GemvShape<F>::MIN)      \
+        quant_gemv_q8_##S##_##SO(const f16* x, const unsigned char* w, long long nb,               \
+                                 const float* bias, int n, int k, O* out, long long ld,            \
+                                 int accumulate) {                                                 \
+        quant_gemv_q8<F, O>(x, w, nb, bias, n, k, out, ld, accumulate);                            \
+    }
+
 #define QUANT_MMA(F, S, O, SO, NT)                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * QMMA_WARPS) quant_mma_##S##_##SO##_n##NT(   \
         const f16* x, const unsigned char* w, long long nb, const float* bias, int m, int n,       \
@@ -643,3 +764,7 @@ QUANT(Q4_0, q4_0)
 QUANT(Q4_1, q4_1)
 QUANT(Q4_K, q4_k)
 QUANT(Q6_K, q6_k)
+QUANT_GEMV_Q8(Q4_K, q4_k, f16, f16)
+QUANT_GEMV_Q8(Q4_K, q4_k, float, f32)
+QUANT_GEMV_Q8(Q6_K, q6_k, f16, f16)
+QUANT_GEMV_Q8(Q6_K, q6_k, float, f32)
