@@ -238,27 +238,32 @@ mod tests {
     /// Kernels are launched to start before the previous kernel has finished
     /// (programmatic dependent launch): one that touched memory before
     /// `await_previous_kernel()` could read stale inputs or overwrite ones still being read,
-    /// and only sometimes. So each kernel's body opens with the wait, except
-    /// `tma_product`'s: its producer lane issues its first weight copies before the wait
-    /// (no kernel writes weights), and both the producer and the consumer warps wait before
-    /// they copy the input or write.
+    /// and only sometimes. So each kernel's body opens with the wait, except two that issue
+    /// their first weight loads before it (no kernel writes weights) and then wait before
+    /// they read the input or write: `tma_product` (its producer lane's first copies; the
+    /// producer and the consumer warps each wait) and `quant_gemv_q8` (one wait).
     #[test]
     fn every_kernel_first_waits_for_the_previous_one() {
         const WAIT: &str = "await_previous_kernel();";
+        // Kernels whose weight loads go out before the wait, and the waits each holds.
+        const EARLY_WEIGHT_LOADS: [(&str, usize); 2] = [("tma_product", 2), ("quant_gemv_q8", 1)];
         let mut kernels = 0;
         for (name, source) in PROGRAMS {
             for (i, _) in source.match_indices("extern \"C\" __global__") {
                 let signature = source[i..].lines().next().unwrap_or_default();
                 let open = source[i..].find('{').expect("a kernel body");
-                if source[i..][..open].contains("tma_product_##") {
+                let early = EARLY_WEIGHT_LOADS
+                    .iter()
+                    .find(|(kernel, _)| source[i..][..open].contains(&format!("{kernel}_##")));
+                if let Some((kernel, waits)) = early {
                     let start = source
-                        .find("__device__ void tma_product(")
-                        .expect("tma_product's body");
+                        .find(&format!("__device__ void {kernel}("))
+                        .expect("the kernel's device function");
                     let end = start + source[start..].find("\n}\n").expect("its end");
                     assert_eq!(
                         source[start..end].matches(WAIT).count(),
-                        2,
-                        "tma_product's producer and consumers must each wait"
+                        *waits,
+                        "{kernel} must hold {waits} wait(s)"
                     );
                     continue;
                 }
