@@ -192,10 +192,11 @@ impl CudaBackend {
         let (mm, nn, kk, ldl) = (m as i32, n as i32, k as i32, out.row_stride as i64);
         let (bp, acc) = (bias.map_or(0, |b| b.ptr), i32::from(accumulate));
         let (f, o) = (format(w.dtype), out.buf.at(out.col_offset));
-        if m == 1 && matches!(w.dtype, DType::Q4K | DType::Q6K) && q8_row_bytes(k) <= Q8_MAX_BYTES {
+        let q8_bytes = q8_row_bytes(k);
+        if m == 1 && matches!(w.dtype, DType::Q4K | DType::Q6K) && q8_bytes <= Q8_MAX_BYTES {
             let name = format!("quant_gemv_q8_{f}_{}", suffix(out.buf.dtype));
             launch!(self, name, label = format!("quant_gemv_q8 {} n{n} k{k}", w.dtype),
-                shared = q8_row_bytes(k) as u32,
+                shared = q8_bytes as u32,
                 (n.div_ceil(GEMV_ROWS) as u32, 1, 1), gemv_threads(w.dtype);
                 xp, wp, nb, bp, nn, kk, o, ldl, acc);
             return;

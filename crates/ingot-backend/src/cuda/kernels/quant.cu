@@ -100,6 +100,21 @@ __device__ __forceinline__ RawPart load_part(const unsigned char* w, long long n
     return r;
 }
 
+// The scales and minimums of the two Q4_K sub-blocks part p's runs lie in (run_a's, then
+// run_b's): d · scale and dmin · min.
+__device__ __forceinline__ void q4_k_part_scales(const RawPart& r, int p, float& d1, float& mm1,
+                                                 float& d2, float& mm2) {
+    const float d = half_bits(r.sc.x & 0xffff), dmin = half_bits(r.sc.x >> 16);
+    const int c = p >> 1;
+    int sc1, m1, sc2, m2;
+    scale_min_k4_words(2 * c, r.sc, sc1, m1);
+    scale_min_k4_words(2 * c + 1, r.sc, sc2, m2);
+    d1 = d * (float)sc1;
+    mm1 = dmin * (float)m1;
+    d2 = d * (float)sc2;
+    mm2 = dmin * (float)m2;
+}
+
 // Part p's VALS values from its raw words: y[0..VALS/2) of run_a and y[VALS/2..VALS) of run_b.
 template <int F> __device__ __forceinline__ void dequantize_raw(const RawPart& r, int p, float* y) {
     if (F == Q8_0) {
@@ -124,13 +139,8 @@ template <int F> __device__ __forceinline__ void dequantize_raw(const RawPart& r
             }
         }
     } else if (F == Q4_K) {
-        const float d = half_bits(r.sc.x & 0xffff), dmin = half_bits(r.sc.x >> 16);
-        const int c = p >> 1;
-        int sc1, m1, sc2, m2;
-        scale_min_k4_words(2 * c, r.sc, sc1, m1);
-        scale_min_k4_words(2 * c + 1, r.sc, sc2, m2);
-        const float d1 = d * (float)sc1, mm1 = dmin * (float)m1;
-        const float d2 = d * (float)sc2, mm2 = dmin * (float)m2;
+        float d1, mm1, d2, mm2;
+        q4_k_part_scales(r, p, d1, mm1, d2, mm2);
         const u32 words[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
         for (int i = 0; i < 16; i++) {
@@ -160,6 +170,18 @@ template <int F>
 __device__ __forceinline__ void dequantize_part(const unsigned char* w, long long nb, long long g,
                                                 int p, float* y) {
     dequantize_raw<F>(load_part<F>(w, nb, g, p), p, y);
+}
+
+// Lane part p of block b of the QUANT_ROWS weight rows from j0, loaded before any of them is
+// used: one row at a time, a lane had only its 8 to 32 bytes in flight and waited on memory
+// once a row (SASS, H200). Rows past n repeat row n - 1 and are not stored; a branch there
+// let the compiler sink each row's loads back under it.
+template <int F>
+__device__ __forceinline__ void load_rows(RawPart (&raw)[QUANT_ROWS], const unsigned char* w,
+                                          long long nb, int j0, int n, int blocks, int b, int p) {
+#pragma unroll
+    for (int i = 0; i < QUANT_ROWS; i++)
+        raw[i] = load_part<F>(w, nb, (long long)min(j0 + i, n - 1) * blocks + b, p);
 }
 
 // quant_gemv's warps a block (the Rust side launches 32 * WARPS threads) and the blocks an SM
@@ -206,9 +228,9 @@ __device__ __forceinline__ void store_gemv_rows(float (&acc)[M][QUANT_ROWS],
 // block: each x value read serves QUANT_ROWS weight rows. Lanes take a part of a block each
 // (32 / PARTS consecutive blocks per warp step), so a warp reads 256 to 512 contiguous bytes
 // of quants and 512 to 2,048 contiguous bytes of x per row; the block's WARPS warps take
-// every WARPS-th group of blocks along k, and their sums meet in shared memory in warp order. A row's
-// sums are taken in the same order whatever M is, so a row's result does not depend on the
-// other rows of its step.
+// every WARPS-th group of blocks along k, and their sums meet in shared memory in warp order.
+// A row's sums are taken in the same order whatever M is, so a row's result does not depend
+// on the other rows of its step.
 template <int F, typename O, int M>
 __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, const float* bias,
                            int n, int k, O* out, long long ld, int accumulate) {
@@ -226,14 +248,8 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
         for (int i = 0; i < QUANT_ROWS; i++) acc[r][i] = 0.0f;
 #pragma unroll 2
     for (int b = warp * PER_WARP + lane / PARTS; b < blocks; b += WARPS * PER_WARP) {
-        // Every row's loads go out before any product: one row at a time, a lane had only
-        // its 8 to 32 bytes in flight and waited on memory once a row (SASS, H200). Rows
-        // past n repeat row n - 1 and are not stored; a branch there let the compiler sink
-        // each row's loads back under it.
         RawPart raw[QUANT_ROWS];
-#pragma unroll
-        for (int i = 0; i < QUANT_ROWS; i++)
-            raw[i] = load_part<F>(w, nb, (long long)min(j0 + i, n - 1) * blocks + b, p);
+        load_rows<F>(raw, w, nb, j0, n, blocks, b, p);
         uint4 xa[M][V], xb[M][V];
 #pragma unroll
         for (int r = 0; r < M; r++) {
@@ -273,8 +289,9 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
 // One-row products of K-quant blocks (Q4_K, Q6_K) on int8 dot products, as llama.cpp's MMVQ:
 // the block quantizes the activation row into shared memory, 32 values to an f32 scale
 // (max |x| / 127) and int8 values rounded to nearest (the CPU backend rounds its activations
-// to int8 too, with a scale per 256 values for K-quants), then a lane's part of a block is 8 `dp4a` over its 32 quants and 8 over the part's x
-// (the sums the minimums and Q6_K's offset of 32 need). Dequantizing to f32 cost about five
+// to int8 too, with a scale per 256 values for K-quants), then a lane's part of a block is
+// 8 `dp4a` over its 32 quants and 8 over the part's x (the sums the minimums and Q6_K's
+// offset of 32 need). Dequantizing to f32 cost about five
 // instructions a weight, and the ALU pipe bound quant_gemv (ncu, H200, Q4_K). The first
 // step's weight loads go out before the wait on the previous kernel: weights are constant.
 // Shared memory: k bytes of quants, then k / 32 scales.
@@ -283,18 +300,13 @@ __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb
                               int n, int k, O* out, long long ld, int accumulate) {
     constexpr int PARTS = Block<F>::PARTS, PER_WARP = 32 / PARTS, WARPS = GemvShape<F>::WARPS;
     extern __shared__ __align__(16) unsigned char x_q8[];
-    const float* xd = reinterpret_cast<const float*>(x_q8 + k);
+    float* xd = reinterpret_cast<float*>(x_q8 + k);
     __shared__ float partial[WARPS][1][QUANT_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane % PARTS;
     const int j0 = blockIdx.x * QUANT_ROWS;
     const int blocks = k / Block<F>::QK, b0 = warp * PER_WARP + lane / PARTS;
     RawPart raw[QUANT_ROWS];
-    auto load_rows = [&](int b) {
-#pragma unroll
-        for (int i = 0; i < QUANT_ROWS; i++)
-            raw[i] = load_part<F>(w, nb, (long long)min(j0 + i, n - 1) * blocks + b, p);
-    };
-    load_rows(min(b0, blocks - 1));
+    load_rows<F>(raw, w, nb, j0, n, blocks, min(b0, blocks - 1), p);
     await_previous_kernel();
     for (int g = threadIdx.x; g < k / 32; g += 32 * WARPS) {
         float v[32];
@@ -315,12 +327,12 @@ __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb
         uint4* dst = reinterpret_cast<uint4*>(x_q8 + 32 * g);
         dst[0] = make_uint4(q[0], q[1], q[2], q[3]);
         dst[1] = make_uint4(q[4], q[5], q[6], q[7]);
-        reinterpret_cast<float*>(x_q8 + k)[g] = amax / 127.0f;
+        xd[g] = amax / 127.0f;
     }
     __syncthreads();
     float acc[1][QUANT_ROWS] = {};
     for (int b = b0; b < blocks; b += WARPS * PER_WARP) {
-        if (b != b0) load_rows(b);
+        if (b != b0) load_rows<F>(raw, w, nb, j0, n, blocks, b, p);
         // The part's two runs of 16 x values, each inside one 32-value scale group.
         const int xa = b * Block<F>::QK + run_a<F>(p), xb = b * Block<F>::QK + run_b<F>(p);
         const uint4 qa = *reinterpret_cast<const uint4*>(x_q8 + xa);
@@ -344,13 +356,10 @@ __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb
                     ia = __dp4a((int)(lw[t] & 0x0f0f0f0fu), (int)wa[t], ia);
                     ib = __dp4a((int)((lw[t] >> 4) & 0x0f0f0f0fu), (int)wb[t], ib);
                 }
-                const float d = half_bits(r.sc.x & 0xffff), dmin = half_bits(r.sc.x >> 16);
-                const int c = p >> 1;
-                int sc1, m1, sc2, m2;
-                scale_min_k4_words(2 * c, r.sc, sc1, m1);
-                scale_min_k4_words(2 * c + 1, r.sc, sc2, m2);
-                acc[0][i] += da * (d * (float)sc1 * (float)ia - dmin * (float)m1 * (float)sa) +
-                             db * (d * (float)sc2 * (float)ib - dmin * (float)m2 * (float)sb);
+                float d1, mm1, d2, mm2;
+                q4_k_part_scales(r, p, d1, mm1, d2, mm2);
+                acc[0][i] += da * (d1 * (float)ia - mm1 * (float)sa) +
+                             db * (d2 * (float)ib - mm2 * (float)sb);
             } else {
                 const int j = (p >> 1) & 1;
                 const u32 hw[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
