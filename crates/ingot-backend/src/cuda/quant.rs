@@ -45,10 +45,15 @@ fn mma_max_rows(dtype: DType) -> usize {
         _ => 32,
     }
 }
-/// Rows of the matrix one `quant_mma` block computes (QMMA_ROWS: two m16 tiles).
-pub const MMA_ROWS: usize = 32;
-/// Warps of a `quant_mma` block (QMMA_WARPS), which split k between them.
+/// Warps of a `quant_mma` block (QMMA_WARPS), an m16 tile of weight rows each.
 pub const MMA_WARPS: usize = 8;
+/// Rows of the matrix one `quant_mma` block computes (QMMA_ROWS): every x value the block
+/// copies into shared memory serves that many weight rows.
+pub const MMA_ROWS: usize = 16 * MMA_WARPS;
+/// Values of k a `quant_mma` block takes at a time (QMMA_CHUNK): one K-quant block a row.
+pub const MMA_CHUNK: usize = 256;
+/// Blocks of `quant_mma` an SM should have: products of fewer row tiles split k.
+const MMA_BLOCKS_PER_SM: usize = 2;
 /// Values of the f16 scratch that larger products dequantize into (64 MiB): a matrix larger
 /// than that is multiplied in runs of rows, so the scratch does not grow with the model.
 pub const SCRATCH_VALUES: usize = 32 << 20;
@@ -213,10 +218,26 @@ impl CudaBackend {
                 .into_iter()
                 .find(|t| 8 * t >= m)
                 .expect("m ≤ 64");
+            let (splits, per_split) = self.mma_splits(n, k);
+            let mut scratch = self.dequantized.lock().unwrap_or_else(|p| p.into_inner());
+            let scratch = scratch
+                .as_mut()
+                .expect("the dequantizing scratch is reserved as quantized matrices are allocated");
+            // The split products' sums wait in the scratch, which the larger products'
+            // dequantized matrices use: it holds splits·m·n f32 (splits ≤ k / 128).
+            assert!(splits == 1 || 4 * splits * m * n <= scratch.slice.len());
+            let (pp, ps, ss) = (scratch.ptr, per_split as i32, splits as i32);
             let name = format!("quant_mma_{f}_{}_n{tiles}", suffix(out.buf.dtype));
             launch!(self, name, label = format!("quant_mma {} m{m} n{n} k{k}", w.dtype),
-                (n.div_ceil(MMA_ROWS) as u32, 1, 1), (32 * MMA_WARPS) as u32;
-                xp, wp, nb, bp, mm, nn, kk, o, ldl, acc);
+                shared = (2 * 8 * tiles * (MMA_CHUNK + 16) * 2) as u32,
+                (n.div_ceil(MMA_ROWS) as u32, splits as u32, 1), (32 * MMA_WARPS) as u32;
+                xp, wp, nb, bp, mm, nn, kk, o, ldl, acc, pp, ps);
+            if splits > 1 {
+                launch!(self, format!("quant_mma_reduce_{}", suffix(out.buf.dtype)),
+                    label = format!("quant_mma_reduce m{m} n{n}"),
+                    ((m * n).div_ceil(THREADS as usize) as u32, 1, 1), THREADS;
+                    pp, ss, bp, mm, nn, o, ldl, acc);
+            }
             return;
         }
         let mut scratch = self.dequantized.lock().unwrap_or_else(|p| p.into_inner());
@@ -270,6 +291,18 @@ impl CudaBackend {
         if let (false, Some(b)) = (whole, bias) {
             self.bias_add(o, out.buf.dtype, b, m, n, out.row_stride);
         }
+    }
+
+    /// How `quant_mma` splits k for a matrix of `n` rows of `k` values: into how many runs
+    /// of how many chunks, so that products of few row tiles still give every SM
+    /// [`MMA_BLOCKS_PER_SM`] blocks. A run keeps two chunks at least, so the next chunk's
+    /// loads have one to hide behind. It depends on the shape only, so a row's sum does not
+    /// depend on the rows beside it.
+    fn mma_splits(&self, n: usize, k: usize) -> (usize, usize) {
+        let chunks = k.div_ceil(MMA_CHUNK);
+        let want = (MMA_BLOCKS_PER_SM * self.sm_count as usize).div_ceil(n.div_ceil(MMA_ROWS));
+        let per_split = chunks.div_ceil(want.clamp(1, (chunks / 2).max(1)));
+        (chunks.div_ceil(per_split), per_split)
     }
 
     /// [`crate::Backend::embedding`] from a table of GGUF blocks, into f16 rows.

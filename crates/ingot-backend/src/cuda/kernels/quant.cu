@@ -380,18 +380,28 @@ __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb
     store_gemv_rows<WARPS, 1, O>(acc, partial, j0, bias, n, out, ld, accumulate);
 }
 
-// Products of 5 to 8 * NT rows on tensor cores, reading the blocks once: a block of
-// QMMA_WARPS warps computes QMMA_ROWS (two m16 tiles) weight rows for all the rows of x.
-// The warps take every QMMA_WARPS-th k-step of K_STEP values; in a k-step the four lanes t
-// of a weight row read 16-byte pieces that lie side by side (Piece below), so a warp reads
-// whole 64-byte runs of quants. Each piece is dequantized in registers, four values at a
-// time (a quad), into m16n8k16 A fragments of f16 values (Scales says how they round). A
-// lane's four values of a quad stand where the fragment wants k 2t,
+// Products of 2 to 8 * NT rows on tensor cores, reading the blocks once. A block of
+// QMMA_WARPS warps computes QMMA_ROWS = 16 * QMMA_WARPS weight rows, an m16 tile a warp, for
+// all the rows of x, over the chunks of QMMA_CHUNK values of k that blockIdx.y takes (a
+// split of k, so that matrices of few rows still fill the GPU). Chunk by chunk, the block
+// copies x's values into shared memory (cp.async, the next chunk's while it multiplies this
+// one) and every warp loads its rows' next pieces into registers. In a k-step of K_STEP
+// values the four lanes t of a weight row read 16-byte pieces that lie side by side (Piece
+// below), so a warp reads whole 64-byte runs of quants. Each piece is dequantized in
+// registers, four values at a time (a quad), into m16n8k16 A fragments of f16 values (Scales
+// says how they round). A lane's four values of a quad stand where the fragment wants k 2t,
 // 2t + 1, 2t + 8 and 2t + 9, and the lane's x fragment takes the same four k, so every
-// product is the dot product over k in some order. The warps' sums meet in shared memory in
-// warp order: a row's result does not depend on the other rows of its step.
-// A warp loads the next k-step's pieces while it multiplies one (PREFETCH), except Q6_K's,
-// whose three words a piece would not fit the registers twice.
+// product is the dot product over k in some order. Shared memory holds x in that order
+// (xs_slot), so a warp's fragment loads are 8 bytes a lane without bank conflicts. The
+// splits' sums meet in a workspace that quant_mma_reduce adds in split order, and the
+// split depends on the matrix's shape only: a row's result does not depend on the other
+// rows of its step.
+// A warp loads the next chunk's pieces while it multiplies one (PREFETCH), except Q6_K's,
+// whose three words a piece would not fit the registers twice, and at 64 rows of x (NT 8),
+// where the registers of the accumulators and two chunks' pieces left one block an SM
+// (H200, random Llama-3.1-8B-shaped Q4_K file, B=64 decode: 5,179 tok/s without the
+// prefetch against 4,102 with it; B=16 keeps it, 2,403 against 2,338). Two blocks an SM are
+// asked of the compiler (Q6_K B=16: 2,824 against 2,611 tok/s).
 template <int F> struct Mma;
 template <> struct Mma<Q8_0> { static constexpr int K_STEP = 64, QUADS = 4; static constexpr bool PREFETCH = true; };
 template <> struct Mma<Q4_0> { static constexpr int K_STEP = 128, QUADS = 8; static constexpr bool PREFETCH = true; };
@@ -583,95 +593,146 @@ template <int F> __device__ __forceinline__ int quad_k(int s, int t, int qi) {
     return 256 * s + 128 * (t / 2) + 32 * j + 64 * nib + 16 * (t % 2) + 4 * (qi & 3);
 }
 
+// Values of a chunk row in shared memory: 256 values, then 16 of padding so that the eight
+// rows a fragment load reads start 32 bytes apart in the banks.
+#define QMMA_XS_ROW (QMMA_CHUNK + 16)
+
+// Where, in a chunk row of shared memory, lane t's four values of quad qi of the chunk's
+// k-step sl stand: lanes t of one quad side by side, so a fragment load's 32 lanes read
+// 8-byte slots of distinct banks.
+template <int F> __device__ __forceinline__ int xs_slot(int sl, int qi, int t) {
+    return 16 * (sl * Mma<F>::QUADS + qi) + 4 * t;
+}
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_address(smem)),
+                 "l"(gmem), "r"(valid ? 8 : 0));
+}
+
 template <int F, typename O, int NT>
 __device__ void quant_mma(const f16* x, const unsigned char* w, long long nb, const float* bias,
-                          int m, int n, int k, O* out, long long ld, int accumulate) {
-    constexpr int QUADS = Mma<F>::QUADS;
-    __shared__ float sums[8 * NT][QMMA_ROWS];
+                          int m, int n, int k, O* out, long long ld, int accumulate, float* partial,
+                          int chunks_per_split) {
+    constexpr int QUADS = Mma<F>::QUADS, SPC = QMMA_CHUNK / Mma<F>::K_STEP;
+    constexpr bool PREFETCH = Mma<F>::PREFETCH && NT <= 4;
+    extern __shared__ __align__(16) f16 xs[];  // [2][8 * NT][QMMA_XS_ROW]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int j0 = blockIdx.x * QMMA_ROWS, blocks = k / Block<F>::QK;
-    const int steps = (k + Mma<F>::K_STEP - 1) / Mma<F>::K_STEP;
-    // Weight rows j0 + g + 8r: r = 0, 1 the first m16 tile's, r = 2, 3 the second's.
-    bool row_ok[4];
+    const int j0 = blockIdx.x * QMMA_ROWS + 16 * warp, blocks = k / Block<F>::QK;
+    const int chunks = (k + QMMA_CHUNK - 1) / QMMA_CHUNK;
+    const int c0 = blockIdx.y * chunks_per_split, c1 = min(chunks, c0 + chunks_per_split);
+    // Weight rows j0 + g (r = 0) and j0 + g + 8 (r = 1) of the warp's m16 tile.
+    bool row_ok[2];
 #pragma unroll
-    for (int r = 0; r < 4; r++) row_ok[r] = j0 + g + 8 * r < n;
-    float acc[2][NT][4];
+    for (int r = 0; r < 2; r++) row_ok[r] = j0 + g + 8 * r < n;
+    float acc[NT][4];
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+    auto load = [&](int c, Piece (*pcs)[2]) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][nt][e] = 0.0f;
-    auto load = [&](int s, Piece* pcs) {
+        for (int sl = 0; sl < SPC; sl++)
 #pragma unroll
-        for (int r = 0; r < 4; r++)
-            if (row_ok[r] && piece_in_row<F>(s, t, blocks))
-                pcs[r] = load_piece<F>(w, nb, (long long)(j0 + g + 8 * r) * blocks, s, t);
+            for (int r = 0; r < 2; r++)
+                if (row_ok[r] && piece_in_row<F>(c * SPC + sl, t, blocks))
+                    pcs[sl][r] = load_piece<F>(w, nb, (long long)(j0 + g + 8 * r) * blocks,
+                                               c * SPC + sl, t);
     };
-    Piece cur[4], next[4];
-    int s = warp;
-    if (Mma<F>::PREFETCH && s < steps) load(s, cur);
-    for (; s < steps; s += QMMA_WARPS) {
-        if (!Mma<F>::PREFETCH)
-            load(s, cur);
-        else if (s + QMMA_WARPS < steps)
-            load(s + QMMA_WARPS, next);
-        const bool in_row = piece_in_row<F>(s, t, blocks);
-        Scales scales[4];
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-            if (row_ok[r] && in_row) scales[r] = piece_scales<F>(cur[r]);
-#pragma unroll
-        for (int qi = 0; qi < QUADS; qi++) {
-            u32 a[2][4];
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                u32 lo = 0, hi = 0;
-                if (row_ok[r] && in_row) quad_values<F>(cur[r], scales[r], qi, lo, hi);
-                // Fragment registers: rows g (r even) and g + 8 (r odd), k pairs lo then hi.
-                a[r / 2][r % 2] = lo;
-                a[r / 2][2 + r % 2] = hi;
-            }
-            const int kk = quad_k<F>(s, t, qi);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const int row = 8 * nt + g;
-                uint2 b = make_uint2(0, 0);
-                if (row < m && in_row)
-                    b = load_cached2(x + (long long)row * k + kk);
-                mma16816<f16>(acc[0][nt], a[0], b.x, b.y);
-                mma16816<f16>(acc[1][nt], a[1], b.x, b.y);
-            }
+    // x's chunk c into buffer b: 8 * NT rows of QMMA_CHUNK / 4 slots, zeros past m and k.
+    auto stage = [&](int c, int b) {
+        constexpr int SLOTS = QMMA_CHUNK / 4;
+        for (int i = threadIdx.x; i < 8 * NT * SLOTS; i += blockDim.x) {
+            const int row = i / SLOTS, slot = i % SLOTS, tt = slot & 3, q = slot >> 2;
+            const int sl = q / QUADS, qi = q % QUADS;
+            const int kk = quad_k<F>(c * SPC + sl, tt, qi);
+            const bool valid = row < m && kk < k;
+            cp_async8(xs + (b * 8 * NT + row) * QMMA_XS_ROW + xs_slot<F>(sl, qi, tt),
+                      x + (valid ? (long long)row * k + kk : 0), valid);
         }
-        if (Mma<F>::PREFETCH) {
-#pragma unroll
-            for (int r = 0; r < 4; r++) cur[r] = next[r];
-        }
-    }
-    // acc[i][nt]: weight rows 16i + g (+ 8), x rows 8nt + 2t (+ 1).
-    for (int q = 0; q < QMMA_WARPS; q++) {
-        if (warp == q) {
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float* p = &sums[8 * nt + 2 * t + (e & 1)][16 * i + g + 8 * (e >> 1)];
-                        *p = q == 0 ? acc[i][nt][e] : *p + acc[i][nt][e];
-                    }
-        }
+        cp_async_commit();
+    };
+    Piece cur[SPC][2], next[SPC][2];
+    if (c0 < c1) {
+        stage(c0, 0);
+        if (PREFETCH) load(c0, cur);
+        cp_async_wait<0>();
         __syncthreads();
     }
-    for (int i = threadIdx.x; i < m * QMMA_ROWS; i += blockDim.x) {
-        const int r = i / QMMA_ROWS, j = j0 + i % QMMA_ROWS;
-        if (j >= n) continue;
-        float v = sums[r][i % QMMA_ROWS];
-        if (bias) v += bias[j];
-        O* o = out + r * ld + j;
-        if (accumulate) v += to_f32(*o);
-        *o = from_f32<O>(v);
+    for (int c = c0; c < c1; c++) {
+        const int b = (c - c0) & 1;
+        if (c + 1 < c1) stage(c + 1, b ^ 1);
+        if (!PREFETCH)
+            load(c, cur);
+        else if (c + 1 < c1)
+            load(c + 1, next);
+        const f16* xb = xs + b * 8 * NT * QMMA_XS_ROW;
+#pragma unroll
+        for (int sl = 0; sl < SPC; sl++) {
+            const bool in_row = piece_in_row<F>(c * SPC + sl, t, blocks);
+            Scales scales[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                if (row_ok[r] && in_row) scales[r] = piece_scales<F>(cur[sl][r]);
+#pragma unroll
+            for (int qi = 0; qi < QUADS; qi++) {
+                // Fragment registers: rows g then g + 8, k pairs lo then hi.
+                u32 a[4];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    u32 lo = 0, hi = 0;
+                    if (row_ok[r] && in_row) quad_values<F>(cur[sl][r], scales[r], qi, lo, hi);
+                    a[r] = lo;
+                    a[2 + r] = hi;
+                }
+                const f16* xq = xb + g * QMMA_XS_ROW + xs_slot<F>(sl, qi, t);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint2 bf = *reinterpret_cast<const uint2*>(xq + 8 * nt * QMMA_XS_ROW);
+                    mma16816<f16>(acc[nt], a, bf.x, bf.y);
+                }
+            }
+        }
+        if (PREFETCH) {
+#pragma unroll
+            for (int sl = 0; sl < SPC; sl++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) cur[sl][r] = next[sl][r];
+        }
+        cp_async_wait<0>();
+        __syncthreads();
     }
+    // acc[nt]: weight rows j0 + g (+ 8 for e >= 2), x rows 8nt + 2t (+ 1 for odd e).
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int row = 8 * nt + 2 * t + (e & 1), j = j0 + g + 8 * (e >> 1);
+            if (row >= m || j >= n) continue;
+            if (gridDim.y > 1) {
+                partial[((long long)blockIdx.y * m + row) * n + j] = acc[nt][e];
+                continue;
+            }
+            float v = acc[nt][e];
+            if (bias) v += bias[j];
+            O* o = out + row * ld + j;
+            if (accumulate) v += to_f32(*o);
+            *o = from_f32<O>(v);
+        }
+}
+
+// The sum of quant_mma's `splits` partial products, in split order.
+template <typename O>
+__device__ void quant_mma_reduce(const float* partial, int splits, const float* bias, int m,
+                                 int n, O* out, long long ld, int accumulate) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)m * n) return;
+    const int row = (int)(i / n), j = (int)(i % n);
+    float v = 0.0f;
+    for (int s = 0; s < splits; s++) v += partial[(long long)s * m * n + i];
+    if (bias) v += bias[j];
+    O* o = out + row * ld + j;
+    if (accumulate) v += to_f32(*o);
+    *o = from_f32<O>(v);
 }
 
 // Stores part p's VALS values as f16 at their places in the block's values at o.
@@ -740,11 +801,12 @@ __device__ void quant_embedding(const unsigned char* table, long long nb, const 
     }
 
 #define QUANT_MMA(F, S, O, SO, NT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * QMMA_WARPS) quant_mma_##S##_##SO##_n##NT(   \
+    extern "C" __global__ void __launch_bounds__(32 * QMMA_WARPS, 2) quant_mma_##S##_##SO##_n##NT(   \
         const f16* x, const unsigned char* w, long long nb, const float* bias, int m, int n,       \
-        int k, O* out, long long ld, int accumulate) {                                             \
+        int k, O* out, long long ld, int accumulate, float* partial, int chunks_per_split) {       \
         await_previous_kernel();                                                                   \
-        quant_mma<F, O, NT>(x, w, nb, bias, m, n, k, out, ld, accumulate);                         \
+        quant_mma<F, O, NT>(x, w, nb, bias, m, n, k, out, ld, accumulate, partial,                 \
+                            chunks_per_split);                                                     \
     }
 
 #define QUANT_MMA_ROWS(F, S, O, SO)                                                                \
@@ -773,6 +835,18 @@ QUANT(Q4_0, q4_0)
 QUANT(Q4_1, q4_1)
 QUANT(Q4_K, q4_k)
 QUANT(Q6_K, q6_k)
+extern "C" __global__ void quant_mma_reduce_f16(const float* partial, int splits,
+                                                const float* bias, int m, int n, f16* out,
+                                                long long ld, int accumulate) {
+    await_previous_kernel();
+    quant_mma_reduce<f16>(partial, splits, bias, m, n, out, ld, accumulate);
+}
+extern "C" __global__ void quant_mma_reduce_f32(const float* partial, int splits,
+                                                const float* bias, int m, int n, float* out,
+                                                long long ld, int accumulate) {
+    await_previous_kernel();
+    quant_mma_reduce<float>(partial, splits, bias, m, n, out, ld, accumulate);
+}
 QUANT_GEMV_Q8(Q4_K, q4_k, f16, f16)
 QUANT_GEMV_Q8(Q4_K, q4_k, float, f32)
 QUANT_GEMV_Q8(Q6_K, q6_k, f16, f16)
