@@ -469,13 +469,6 @@ __device__ __forceinline__ Piece load_piece(const unsigned char* w, long long nb
     return pc;
 }
 
-// 8 bytes of x, through the read-only cache: every block of the product reads them.
-__device__ __forceinline__ uint2 load_cached2(const void* p) {
-    uint2 v;
-    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-
 // f16 pairs (f16x2): the dequantization below works on two values an instruction.
 __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
     u32 d;
