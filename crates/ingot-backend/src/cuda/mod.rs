@@ -56,7 +56,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 29] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 30] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -86,6 +86,7 @@ const KERNEL_DEFINITIONS: [(&str, usize); 29] = [
     ("QMMA_ROWS", quant::MMA_ROWS),
     ("QMMA_WARPS", quant::MMA_WARPS),
     ("QMMA_CHUNK", quant::MMA_CHUNK),
+    ("QMMA_XS_ROW", quant::MMA_XS_ROW),
 ];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;

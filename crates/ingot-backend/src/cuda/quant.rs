@@ -52,6 +52,9 @@ pub const MMA_WARPS: usize = 8;
 pub const MMA_ROWS: usize = 16 * MMA_WARPS;
 /// Values of k a `quant_mma` block takes at a time (QMMA_CHUNK): one K-quant block a row.
 pub const MMA_CHUNK: usize = 256;
+/// Values a row of x takes in `quant_mma`'s shared memory (QMMA_XS_ROW): a chunk and 16 of
+/// padding, so that the eight rows a fragment load reads start 32 bytes apart in the banks.
+pub const MMA_XS_ROW: usize = MMA_CHUNK + 16;
 /// Blocks of `quant_mma` an SM should have: products of fewer row tiles split k.
 const MMA_BLOCKS_PER_SM: usize = 2;
 /// Values of the f16 scratch that larger products dequantize into (64 MiB): a matrix larger
@@ -229,7 +232,7 @@ impl CudaBackend {
             let (pp, ps, ss) = (scratch.ptr, per_split as i32, splits as i32);
             let name = format!("quant_mma_{f}_{}_n{tiles}", suffix(out.buf.dtype));
             launch!(self, name, label = format!("quant_mma {} m{m} n{n} k{k}", w.dtype),
-                shared = (2 * 8 * tiles * (MMA_CHUNK + 16) * 2) as u32,
+                shared = (2 * 8 * tiles * MMA_XS_ROW * 2) as u32,
                 (n.div_ceil(MMA_ROWS) as u32, splits as u32, 1), (32 * MMA_WARPS) as u32;
                 xp, wp, nb, bp, mm, nn, kk, o, ldl, acc, pp, ps);
             if splits > 1 {

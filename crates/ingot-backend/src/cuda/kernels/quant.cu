@@ -49,17 +49,21 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// The 6-bit scale and min of sub-block j of a Q4_K block (quant/mod.rs's scale_min_k4) from
-// its scale bytes held in registers (words y, z and w of sc), for a j known only at run
-// time: bytes picked by shifts, not by indexing memory (which puts the words on the stack).
-__device__ __forceinline__ void scale_min_k4_words(int j, const uint4& sc, int& s, int& m) {
-    auto byte = [&](int i) { return (int)((word_of(sc, 1 + (i >> 2)) >> (8 * (i & 3))) & 0xff); };
-    if (j < 4) {
-        s = byte(j) & 63;
-        m = byte(j + 4) & 63;
-    } else {
-        s = (byte(j + 4) & 0x0F) | ((byte(j - 4) >> 6) << 4);
-        m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
+// The 6-bit scales and mins of sub-blocks j and j + 1 (j even) of a Q4_K block, as
+// quant/mod.rs's scale_min_k4 reads them, from the block's scale bytes held in registers
+// (words y, z and w of sc; `high` is j >= 4). Sub-block i's bytes stand at the same place
+// in fixed words (byte i & 3 of y, z and w), so each value is a shift and a mask, without
+// branches or word selects: where the caller knows `high` at compile time only its form is
+// computed (quant_mma's pieces), else both and a select (ncu, H200: the branchy decode of
+// one j at a time was about a quarter of quant_mma's instructions).
+__device__ __forceinline__ void scale_min_k4_pair(bool high, int j, const uint4& sc, int (&s)[2],
+                                                  int (&m)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int at = 8 * ((j + i) & 3);
+        const u32 y = sc.y >> at, z = sc.z >> at, w = sc.w >> at;
+        s[i] = high ? (int)((w & 15) | (((y >> 6) & 3) << 4)) : (int)(y & 63);
+        m[i] = high ? (int)(((w >> 4) & 15) | (((z >> 6) & 3) << 4)) : (int)(z & 63);
     }
 }
 
@@ -106,13 +110,12 @@ __device__ __forceinline__ void q4_k_part_scales(const RawPart& r, int p, float&
                                                  float& d2, float& mm2) {
     const float d = half_bits(r.sc.x & 0xffff), dmin = half_bits(r.sc.x >> 16);
     const int c = p >> 1;
-    int sc1, m1, sc2, m2;
-    scale_min_k4_words(2 * c, r.sc, sc1, m1);
-    scale_min_k4_words(2 * c + 1, r.sc, sc2, m2);
-    d1 = d * (float)sc1;
-    mm1 = dmin * (float)m1;
-    d2 = d * (float)sc2;
-    mm2 = dmin * (float)m2;
+    int sc[2], mn[2];
+    scale_min_k4_pair(c >= 2, 2 * c, r.sc, sc, mn);
+    d1 = d * (float)sc[0];
+    mm1 = dmin * (float)mn[0];
+    d2 = d * (float)sc[1];
+    mm2 = dmin * (float)mn[1];
 }
 
 // Part p's VALS values from its raw words: y[0..VALS/2) of run_a and y[VALS/2..VALS) of run_b.
@@ -425,23 +428,20 @@ struct Piece {
     u32 d;
 };
 
-// Whether lane t's piece of k-step s lies inside a row of `blocks` blocks.
-template <int F> __device__ __forceinline__ bool piece_in_row(int s, int t, int blocks) {
-    if (F == Q8_0) return 2 * s + t / 2 < blocks;
-    if (F == Q4_0 || F == Q4_1) return 4 * s + t < blocks;
-    return true;  // k is a multiple of 256, which K_STEP divides
-}
-
+// Lane t's piece of k-step s of the row whose first block is row_block (of `blocks`). A
+// 32-value format's piece past the row's end is its last block again: x is zero there, so
+// it adds nothing, and the multiply loop needs no branch (a K-quant's k-steps never pass
+// the end, as k is a multiple of 256).
 template <int F>
 __device__ __forceinline__ Piece load_piece(const unsigned char* w, long long nb, long long row_block,
-                                            int s, int t) {
+                                            int blocks, int s, int t) {
     Piece pc;
     if (F == Q8_0) {
-        const long long g = row_block + 2 * s + t / 2;
+        const long long g = row_block + min(2 * s + t / 2, blocks - 1);
         pc.q[0] = load_streamed(w + g * 32 + 16 * (t % 2));
         pc.sc.x = *reinterpret_cast<const u16*>(w + nb * 32 + g * 2);
     } else if (F == Q4_0 || F == Q4_1) {
-        const long long g = row_block + 4 * s + t;
+        const long long g = row_block + min(4 * s + t, blocks - 1);
         pc.q[0] = load_streamed(w + g * 16);
         if (F == Q4_0)
             pc.sc.x = *reinterpret_cast<const u16*>(w + nb * 16 + g * 2);
@@ -501,7 +501,8 @@ struct Scales {
     u32 a, b, c, e;
 };
 
-template <int F> __device__ __forceinline__ Scales piece_scales(const Piece& pc) {
+// `odd` is k-step s % 2: whether a Q4_K piece lies in the second half of its block.
+template <int F> __device__ __forceinline__ Scales piece_scales(const Piece& pc, bool odd) {
     Scales r;
     if (F == Q8_0 || F == Q4_0) {
         r.a = splat(pc.sc.x);
@@ -510,13 +511,12 @@ template <int F> __device__ __forceinline__ Scales piece_scales(const Piece& pc)
         r.b = splat(pc.sc.x >> 16);
     } else if (F == Q4_K) {
         const float d = half_bits(pc.sc.x & 0xffff), dmin = half_bits(pc.sc.x >> 16);
-        int sc, mn;
-        scale_min_k4_words(pc.d, pc.sc, sc, mn);
-        r.a = pack2<f16>(d * (float)sc, d * (float)sc);
-        r.b = pack2<f16>(-dmin * (float)mn, -dmin * (float)mn);
-        scale_min_k4_words(pc.d + 1, pc.sc, sc, mn);
-        r.c = pack2<f16>(d * (float)sc, d * (float)sc);
-        r.e = pack2<f16>(-dmin * (float)mn, -dmin * (float)mn);
+        int sc[2], mn[2];
+        scale_min_k4_pair(odd, pc.d, pc.sc, sc, mn);
+        r.a = pack2<f16>(d * (float)sc[0], d * (float)sc[0]);
+        r.b = pack2<f16>(-dmin * (float)mn[0], -dmin * (float)mn[0]);
+        r.c = pack2<f16>(d * (float)sc[1], d * (float)sc[1]);
+        r.e = pack2<f16>(-dmin * (float)mn[1], -dmin * (float)mn[1]);
     } else {
         const float d = half_bits(pc.d);
         const u32 w[4] = {pc.sc.x, pc.sc.y, pc.sc.z, pc.sc.w};
@@ -586,20 +586,11 @@ template <int F> __device__ __forceinline__ int quad_k(int s, int t, int qi) {
     return 256 * s + 128 * (t / 2) + 32 * j + 64 * nib + 16 * (t % 2) + 4 * (qi & 3);
 }
 
-// Values of a chunk row in shared memory: 256 values, then 16 of padding so that the eight
-// rows a fragment load reads start 32 bytes apart in the banks.
-#define QMMA_XS_ROW (QMMA_CHUNK + 16)
-
 // Where, in a chunk row of shared memory, lane t's four values of quad qi of the chunk's
 // k-step sl stand: lanes t of one quad side by side, so a fragment load's 32 lanes read
 // 8-byte slots of distinct banks.
 template <int F> __device__ __forceinline__ int xs_slot(int sl, int qi, int t) {
     return 16 * (sl * Mma<F>::QUADS + qi) + 4 * t;
-}
-
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_address(smem)),
-                 "l"(gmem), "r"(valid ? 8 : 0));
 }
 
 template <int F, typename O, int NT>
@@ -608,15 +599,19 @@ __device__ void quant_mma(const f16* x, const unsigned char* w, long long nb, co
                           int chunks_per_split) {
     constexpr int QUADS = Mma<F>::QUADS, SPC = QMMA_CHUNK / Mma<F>::K_STEP;
     constexpr bool PREFETCH = Mma<F>::PREFETCH && NT <= 4;
+    // A Q4_K piece's half of its block is k-step s % 2, which is the unrolled sl % 2.
+    static_assert(F != Q4_K || SPC % 2 == 0, "Q4_K chunks hold whole blocks");
     extern __shared__ __align__(16) f16 xs[];  // [2][8 * NT][QMMA_XS_ROW]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int j0 = blockIdx.x * QMMA_ROWS + 16 * warp, blocks = k / Block<F>::QK;
     const int chunks = (k + QMMA_CHUNK - 1) / QMMA_CHUNK;
     const int c0 = blockIdx.y * chunks_per_split, c1 = min(chunks, c0 + chunks_per_split);
-    // Weight rows j0 + g (r = 0) and j0 + g + 8 (r = 1) of the warp's m16 tile.
-    bool row_ok[2];
+    // The first blocks of weight rows j0 + g (r = 0) and j0 + g + 8 (r = 1) of the warp's
+    // m16 tile. Rows past n repeat row n - 1, whose sums are not stored: the multiply loop
+    // then needs no branch, where one a row and quad cost a tenth of its instructions.
+    long long row_block[2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) row_ok[r] = j0 + g + 8 * r < n;
+    for (int r = 0; r < 2; r++) row_block[r] = (long long)min(j0 + g + 8 * r, n - 1) * blocks;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -627,20 +622,25 @@ __device__ void quant_mma(const f16* x, const unsigned char* w, long long nb, co
         for (int sl = 0; sl < SPC; sl++)
 #pragma unroll
             for (int r = 0; r < 2; r++)
-                if (row_ok[r] && piece_in_row<F>(c * SPC + sl, t, blocks))
-                    pcs[sl][r] = load_piece<F>(w, nb, (long long)(j0 + g + 8 * r) * blocks,
-                                               c * SPC + sl, t);
+                pcs[sl][r] = load_piece<F>(w, nb, row_block[r], blocks, c * SPC + sl, t);
     };
-    // x's chunk c into buffer b: 8 * NT rows of QMMA_CHUNK / 4 slots, zeros past m and k.
+    // x's chunk c into buffer b, zeros past m and k. A thread copies the same slot of four
+    // values (8 bytes) of every ROW_STEP-th row, so where the slot comes from and goes to is
+    // worked out once: per copy, that cost about 60 instructions (ncu, H200).
+    constexpr int SLOTS = QMMA_CHUNK / 4, ROW_STEP = 32 * QMMA_WARPS / SLOTS;
+    static_assert(32 * QMMA_WARPS % SLOTS == 0 && 8 % ROW_STEP == 0, "whole rows a pass");
+    const int slot = threadIdx.x % SLOTS, row0 = threadIdx.x / SLOTS;
+    const int slot_sl = (slot >> 2) / QUADS, slot_qi = (slot >> 2) % QUADS, slot_t = slot & 3;
+    const int slot_k = quad_k<F>(slot_sl, slot_t, slot_qi);
+    f16* slot_dst = xs + row0 * QMMA_XS_ROW + xs_slot<F>(slot_sl, slot_qi, slot_t);
+    const f16* slot_src = x + (long long)row0 * k + slot_k;
     auto stage = [&](int c, int b) {
-        constexpr int SLOTS = QMMA_CHUNK / 4;
-        for (int i = threadIdx.x; i < 8 * NT * SLOTS; i += blockDim.x) {
-            const int row = i / SLOTS, slot = i % SLOTS, tt = slot & 3, q = slot >> 2;
-            const int sl = q / QUADS, qi = q % QUADS;
-            const int kk = quad_k<F>(c * SPC + sl, tt, qi);
-            const bool valid = row < m && kk < k;
-            cp_async8(xs + (b * 8 * NT + row) * QMMA_XS_ROW + xs_slot<F>(sl, qi, tt),
-                      x + (valid ? (long long)row * k + kk : 0), valid);
+        const bool in_k = c * QMMA_CHUNK + slot_k < k;
+#pragma unroll
+        for (int i = 0; i < 8 * NT / ROW_STEP; i++) {
+            const bool valid = in_k && row0 + ROW_STEP * i < m;
+            const f16* src = slot_src + (long long)ROW_STEP * i * k + c * QMMA_CHUNK;
+            cp_async8(slot_dst + (b * 8 * NT + ROW_STEP * i) * QMMA_XS_ROW, valid ? src : x, valid);
         }
         cp_async_commit();
     };
@@ -661,22 +661,16 @@ __device__ void quant_mma(const f16* x, const unsigned char* w, long long nb, co
         const f16* xb = xs + b * 8 * NT * QMMA_XS_ROW;
 #pragma unroll
         for (int sl = 0; sl < SPC; sl++) {
-            const bool in_row = piece_in_row<F>(c * SPC + sl, t, blocks);
             Scales scales[2];
 #pragma unroll
-            for (int r = 0; r < 2; r++)
-                if (row_ok[r] && in_row) scales[r] = piece_scales<F>(cur[sl][r]);
+            for (int r = 0; r < 2; r++) scales[r] = piece_scales<F>(cur[sl][r], sl & 1);
 #pragma unroll
             for (int qi = 0; qi < QUADS; qi++) {
                 // Fragment registers: rows g then g + 8, k pairs lo then hi.
                 u32 a[4];
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    u32 lo = 0, hi = 0;
-                    if (row_ok[r] && in_row) quad_values<F>(cur[sl][r], scales[r], qi, lo, hi);
-                    a[r] = lo;
-                    a[2 + r] = hi;
-                }
+                for (int r = 0; r < 2; r++)
+                    quad_values<F>(cur[sl][r], scales[r], qi, a[r], a[2 + r]);
                 const f16* xq = xb + g * QMMA_XS_ROW + xs_slot<F>(sl, qi, t);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
