@@ -5,6 +5,10 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: serve run test model build bench-cpu fixtures
 PORT ?= 8000
+# Where cargo builds. `make test` runs the synthetic-model example as `cargo test --workspace`
+# built it: `cargo run -p ingot-model` would rebuild the dependencies with that package's
+# features alone (about 3 minutes of CI).
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
 
 model:
 	@scripts/fetch-test-model >/dev/null
@@ -32,7 +36,7 @@ test: model
 	$(CARGO) clippy --all-targets --all-features -- -D warnings
 	INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace
 	cd tests/python && "$$(../../scripts/python-test-env)" -m pytest -q
-	$(CARGO) run -q -p ingot-model --example synthetic -- qwen3_moe target/synthetic-qwen3-moe \
+	$(TARGET_DIR)/debug/examples/synthetic qwen3_moe target/synthetic-qwen3-moe \
 	  vocab=32000 hidden=256 layers=2 heads=4 kv_heads=2 head_dim=64 experts=16 per_token=4 \
 	  expert_width=128 max_positions=4096
 	cd tests/python && INGOT_TEST_MODEL="$(CURDIR)/target/synthetic-qwen3-moe" \
