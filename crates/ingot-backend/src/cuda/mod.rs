@@ -56,7 +56,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 30] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 31] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -83,6 +83,7 @@ const KERNEL_DEFINITIONS: [(&str, usize); 30] = [
     ("MOE_LARGE_WN", moe::LARGE.warps.1),
     ("MOE_LARGE_STAGES", moe::LARGE.stages),
     ("QUANT_ROWS", quant::GEMV_ROWS),
+    ("QUANT_Q8_ROWS", quant::GEMV_Q8_ROWS),
     ("QMMA_ROWS", quant::MMA_ROWS),
     ("QMMA_WARPS", quant::MMA_WARPS),
     ("QMMA_CHUNK", quant::MMA_CHUNK),

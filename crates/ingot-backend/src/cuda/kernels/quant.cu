@@ -175,15 +175,15 @@ __device__ __forceinline__ void dequantize_part(const unsigned char* w, long lon
     dequantize_raw<F>(load_part<F>(w, nb, g, p), p, y);
 }
 
-// Lane part p of block b of the QUANT_ROWS weight rows from j0, loaded before any of them is
+// Lane part p of block b of the ROWS weight rows from j0, loaded before any of them is
 // used: one row at a time, a lane had only its 8 to 32 bytes in flight and waited on memory
 // once a row (SASS, H200). Rows past n repeat row n - 1 and are not stored; a branch there
 // let the compiler sink each row's loads back under it.
-template <int F>
-__device__ __forceinline__ void load_rows(RawPart (&raw)[QUANT_ROWS], const unsigned char* w,
+template <int F, int ROWS>
+__device__ __forceinline__ void load_rows(RawPart (&raw)[ROWS], const unsigned char* w,
                                           long long nb, int j0, int n, int blocks, int b, int p) {
 #pragma unroll
-    for (int i = 0; i < QUANT_ROWS; i++)
+    for (int i = 0; i < ROWS; i++)
         raw[i] = load_part<F>(w, nb, (long long)min(j0 + i, n - 1) * blocks + b, p);
 }
 
@@ -193,28 +193,39 @@ __device__ __forceinline__ void load_rows(RawPart (&raw)[QUANT_ROWS], const unsi
 // K-quant block's warps waited at the barrier (ncu, H200, Llama-3.1-8B shapes). MIN is the
 // register budget that keeps every row's loads in flight without spilling; Q6_K's three
 // words a part take about 190 registers (124 bytes of spills at 128).
-template <int F> struct GemvShape { static constexpr int WARPS = 8, MIN = 3; };
-template <> struct GemvShape<Q4_K> { static constexpr int WARPS = 4, MIN = 4; };
-template <> struct GemvShape<Q6_K> { static constexpr int WARPS = 4, MIN = 2; };
+// Q8_ROWS are the weight rows of a quant_gemv_q8 block: every block quantizes the whole
+// activation row first, so Q4_K takes eight rows (QUANT_Q8_ROWS; 128 registers, no spills)
+// to spread that over twice the weights (H200, random Q4_K file at Llama-3.1-8B shapes, B=1
+// decode: 382 tok/s against 350 with four). Q6_K keeps four: its parts take 148 registers
+// at four rows already.
+template <int F> struct GemvShape {
+    static constexpr int WARPS = 8, MIN = 3, Q8_ROWS = QUANT_ROWS;
+};
+template <> struct GemvShape<Q4_K> {
+    static constexpr int WARPS = 4, MIN = 4, Q8_ROWS = QUANT_Q8_ROWS;
+};
+template <> struct GemvShape<Q6_K> {
+    static constexpr int WARPS = 4, MIN = 2, Q8_ROWS = QUANT_ROWS;
+};
 
-// The end of a one-row-product block: its warps' sums of QUANT_ROWS weight rows meet in
-// shared memory in warp order, then bias, accumulation and the store.
-template <int WARPS, int M, typename O>
-__device__ __forceinline__ void store_gemv_rows(float (&acc)[M][QUANT_ROWS],
-                                                float (&partial)[WARPS][M][QUANT_ROWS], int j0,
+// The end of a one-row-product block: its warps' sums of ROWS weight rows meet in shared
+// memory in warp order, then bias, accumulation and the store.
+template <int WARPS, int M, int ROWS, typename O>
+__device__ __forceinline__ void store_gemv_rows(float (&acc)[M][ROWS],
+                                                float (&partial)[WARPS][M][ROWS], int j0,
                                                 const float* bias, int n, O* out, long long ld,
                                                 int accumulate) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < M; r++)
 #pragma unroll
-        for (int i = 0; i < QUANT_ROWS; i++) {
+        for (int i = 0; i < ROWS; i++) {
             const float v = warp_sum(acc[r][i]);
             if (lane == 0) partial[warp][r][i] = v;
         }
     __syncthreads();
-    if (threadIdx.x < M * QUANT_ROWS) {
-        const int r = threadIdx.x / QUANT_ROWS, i = threadIdx.x % QUANT_ROWS, j = j0 + i;
+    if (threadIdx.x < M * ROWS) {
+        const int r = threadIdx.x / ROWS, i = threadIdx.x % ROWS, j = j0 + i;
         if (j < n) {
             float v = 0.0f;
 #pragma unroll
@@ -252,7 +263,7 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
 #pragma unroll 2
     for (int b = warp * PER_WARP + lane / PARTS; b < blocks; b += WARPS * PER_WARP) {
         RawPart raw[QUANT_ROWS];
-        load_rows<F>(raw, w, nb, j0, n, blocks, b, p);
+        load_rows<F, QUANT_ROWS>(raw, w, nb, j0, n, blocks, b, p);
         uint4 xa[M][V], xb[M][V];
 #pragma unroll
         for (int r = 0; r < M; r++) {
@@ -286,7 +297,7 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
             }
         }
     }
-    store_gemv_rows<WARPS, M, O>(acc, partial, j0, bias, n, out, ld, accumulate);
+    store_gemv_rows<WARPS, M, QUANT_ROWS, O>(acc, partial, j0, bias, n, out, ld, accumulate);
 }
 
 // One-row products of K-quant blocks (Q4_K, Q6_K) on int8 dot products, as llama.cpp's MMVQ:
@@ -302,14 +313,15 @@ template <int F, typename O>
 __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb, const float* bias,
                               int n, int k, O* out, long long ld, int accumulate) {
     constexpr int PARTS = Block<F>::PARTS, PER_WARP = 32 / PARTS, WARPS = GemvShape<F>::WARPS;
+    constexpr int ROWS = GemvShape<F>::Q8_ROWS;
     extern __shared__ __align__(16) unsigned char x_q8[];
     float* xd = reinterpret_cast<float*>(x_q8 + k);
-    __shared__ float partial[WARPS][1][QUANT_ROWS];
+    __shared__ float partial[WARPS][1][ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane % PARTS;
-    const int j0 = blockIdx.x * QUANT_ROWS;
+    const int j0 = blockIdx.x * ROWS;
     const int blocks = k / Block<F>::QK, b0 = warp * PER_WARP + lane / PARTS;
-    RawPart raw[QUANT_ROWS];
-    load_rows<F>(raw, w, nb, j0, n, blocks, min(b0, blocks - 1), p);
+    RawPart raw[ROWS];
+    load_rows<F, ROWS>(raw, w, nb, j0, n, blocks, min(b0, blocks - 1), p);
     await_previous_kernel();
     for (int g = threadIdx.x; g < k / 32; g += 32 * WARPS) {
         float v[32];
@@ -333,9 +345,9 @@ __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb
         xd[g] = amax / 127.0f;
     }
     __syncthreads();
-    float acc[1][QUANT_ROWS] = {};
+    float acc[1][ROWS] = {};
     for (int b = b0; b < blocks; b += WARPS * PER_WARP) {
-        if (b != b0) load_rows<F>(raw, w, nb, j0, n, blocks, b, p);
+        if (b != b0) load_rows<F, ROWS>(raw, w, nb, j0, n, blocks, b, p);
         // The part's two runs of 16 x values, each inside one 32-value scale group.
         const int xa = b * Block<F>::QK + run_a<F>(p), xb = b * Block<F>::QK + run_b<F>(p);
         const uint4 qa = *reinterpret_cast<const uint4*>(x_q8 + xa);
@@ -349,7 +361,7 @@ __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb
             sb = __dp4a(0x01010101, (int)wb[t], sb);
         }
 #pragma unroll
-        for (int i = 0; i < QUANT_ROWS; i++) {
+        for (int i = 0; i < ROWS; i++) {
             const RawPart& r = raw[i];
             const u32 lw[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
             int ia = 0, ib = 0;
@@ -380,7 +392,7 @@ __device__ void quant_gemv_q8(const f16* x, const unsigned char* w, long long nb
             }
         }
     }
-    store_gemv_rows<WARPS, 1, O>(acc, partial, j0, bias, n, out, ld, accumulate);
+    store_gemv_rows<WARPS, 1, ROWS, O>(acc, partial, j0, bias, n, out, ld, accumulate);
 }
 
 // Products of 2 to 8 * NT rows on tensor cores, reading the blocks once. A block of
