@@ -38,6 +38,10 @@ for plain, constrained in zip(runs[0::2], runs[1::2]):
     for name, r in (("unconstrained", plain), ("json schema", constrained)):
         print(f"{name:14} {r['completed']:4} ok {r['failed']:3} failed  {r['output_throughput']:8.1f} output tok/s"
               f"  TPOT median {r['tpot_ms']['median']:.2f} ms  TTFT median {r['ttft_ms']['median']:.1f} ms")
+        steps = r.get("engine_steps") or {}
+        if steps.get("steps"):
+            phases = ", ".join(f"{k} {v:.0f}" for k, v in steps["us_per_step"].items() if v is not None)
+            print(f"  engine: {steps['steps']:.0f} steps, µs per step: {phases}")
     so = constrained.get("structured_output") or {}
     if so:
         # A figure is null where its denominator is zero (no mask computed, no step).

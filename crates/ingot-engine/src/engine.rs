@@ -4,6 +4,7 @@ use crate::detokenizer::Detokenizer;
 use crate::embedding::PooledSeq;
 use crate::runner::{ModelRunner, RunnerConfig, StepInput};
 use crate::sampler::{Sampler, TokenLogprobs};
+use crate::step_phases::{lap, StepPhases};
 use crate::structured::{Constraint, Grammar, Grammars};
 use anyhow::{anyhow, bail, Result};
 use ingot_backend::sampling::mask_words;
@@ -152,6 +153,7 @@ pub struct EngineStats {
     pub free_blocks: usize,
     pub total_blocks: usize,
     pub structured: StructuredStats,
+    pub phases: StepPhases,
 }
 
 /// Structured-output work since start: token masks computed, the steps that computed them,
@@ -210,11 +212,17 @@ pub struct Engine<B: Backend> {
     next_offline_request: RequestId,
     last_step: StepInfo,
     structured_stats: StructuredStats,
+    phases: StepPhases,
     /// The step on the device whose tokens the next [`Engine::step`] reads back.
     in_flight: Option<InFlight>,
     /// Structured-output masks being computed for the step being submitted; their
     /// sequences' constraints are away meanwhile.
     mask_jobs: Vec<MaskJob>,
+    /// The grammars' advance past the tokens last read back, until settled.
+    advancing: Option<Advancing>,
+    /// The masks of a step's constrained rows as uploaded, kept from step to step so that
+    /// their megabytes are not allocated (and faulted in) anew each time.
+    mask_rows: Vec<u32>,
 }
 
 /// How a step's tokens come back from the device.
@@ -242,6 +250,16 @@ struct InFlight {
 
 /// Masks being computed on the worker threads.
 struct MaskJob(mpsc::Receiver<Masks>);
+
+/// Grammars advancing on the worker threads: the sequences, and their outcome.
+struct Advancing {
+    ids: Vec<SeqId>,
+    outcome: mpsc::Receiver<Advanced>,
+}
+
+/// For each sequence whether its grammar is now complete (or why it refused the token),
+/// and the wall time of the whole advance.
+type Advanced = (Vec<(SeqId, Result<bool>)>, Duration);
 
 /// Computed masks: the constraints that hold them (and that the job took for any other
 /// reason), how many masks, the sum of their times and the wall time of the whole.
@@ -476,8 +494,11 @@ impl<B: Backend> Engine<B> {
             next_offline_request: 1 << 63,
             last_step: StepInfo::default(),
             structured_stats: StructuredStats::default(),
+            phases: StepPhases::default(),
             in_flight: None,
             mask_jobs: vec![],
+            advancing: None,
+            mask_rows: vec![],
         })
     }
 
@@ -552,6 +573,7 @@ impl<B: Backend> Engine<B> {
             free_blocks: pool.num_free(),
             total_blocks: pool.num_blocks(),
             structured: self.structured_stats,
+            phases: self.phases,
         }
     }
 
@@ -878,33 +900,46 @@ impl<B: Backend> Engine<B> {
     /// tokens read back on the worker threads, which then go on to the next step's masks
     /// while this thread commits, schedules, submits and delivers; the step's token picks
     /// are queued with the masks. So a call returns the deltas of the step before; a sequence
-    /// that a stop string ends has one more step in flight, whose token is dropped.
+    /// that a stop string or the end of its grammar ends has one more step in flight, whose
+    /// token is dropped.
     pub fn step(&mut self) -> Result<Vec<SeqDelta>> {
         let mut in_runner = Duration::ZERO;
+        let mut mark = Instant::now();
         let done = match self.in_flight.take() {
             Some(f) => {
-                let t = Instant::now();
                 let picked = self.read_back(&f)?;
-                in_runner += t.elapsed();
+                in_runner += mark.elapsed();
+                lap(&mut self.phases.wait_device, &mut mark);
                 let info = f.info;
-                Some(match picked {
+                let done = match picked {
                     Sampled::Pooled(rows) => (info, Done::Pooled(self.commit_pooled(f, rows))),
                     picked => (info, Done::Tokens(self.commit(f, picked))),
-                })
+                };
+                lap(&mut self.phases.commit, &mut mark);
+                Some(done)
             }
             None => None,
         };
         let out = self.scheduler.schedule();
+        lap(&mut self.phases.schedule, &mut mark);
         if !out.seqs.is_empty() {
             in_runner += self.submit(out)?;
+            lap(&mut self.phases.submit, &mut mark);
+        }
+        if done.is_some() || self.in_flight.is_some() {
+            self.phases.steps += 1;
         }
         // The previous step's text is made while the worker threads compute this step's
         // masks and the device runs its forward pass.
+        let advanced_before = self.phases.advance_grammars;
         let deltas = match done {
             Some((info, done)) => {
                 self.last_step = info;
                 match done {
-                    Done::Tokens(tokens) => self.deliver(tokens),
+                    Done::Tokens(mut tokens) => {
+                        self.settle_grammars(&mut tokens);
+                        self.deliver(tokens)
+                    }
                     Done::Pooled(deltas) => Ok(deltas),
                 }
             }
@@ -913,6 +948,8 @@ impl<B: Backend> Engine<B> {
                 Ok(vec![])
             }
         };
+        lap(&mut self.phases.deliver, &mut mark);
+        self.phases.deliver -= self.phases.advance_grammars - advanced_before;
         in_runner += self.finish_submit()?;
         self.last_step.execute = in_runner;
         deltas
@@ -947,6 +984,7 @@ impl<B: Backend> Engine<B> {
     /// sequences, and a step sampled on the device queues its pick with the masks. Returns
     /// the time spent in the model runner.
     fn finish_submit(&mut self) -> Result<Duration> {
+        let mut mark = Instant::now();
         let (mut computed, mut wall) = (0, Duration::ZERO);
         for MaskJob(rx) in std::mem::take(&mut self.mask_jobs) {
             let masks = rx
@@ -968,6 +1006,7 @@ impl<B: Backend> Engine<B> {
             st.steps += 1;
             st.step_seconds += wall.as_secs_f64();
         }
+        lap(&mut self.phases.wait_masks, &mut mark);
         let Some(f) = self.in_flight.as_mut() else {
             return Ok(Duration::ZERO);
         };
@@ -975,7 +1014,8 @@ impl<B: Backend> Engine<B> {
             return Ok(Duration::ZERO);
         };
         let words = mask_words(self.runner.vocab_size());
-        let mut masks = vec![];
+        let mut masks = std::mem::take(&mut self.mask_rows);
+        masks.clear();
         for (row, id) in rows.iter_mut().zip(&f.sampled) {
             let constraint = self.seqs.get(id).and_then(|s| s.constraint.as_ref());
             // A failed mask leaves the row unmasked: commit drops its token.
@@ -987,8 +1027,12 @@ impl<B: Backend> Engine<B> {
             }
         }
         let started = Instant::now();
-        self.runner.sample(&rows, &edits, &masks)?;
-        Ok(started.elapsed())
+        let sampled = self.runner.sample(&rows, &edits, &masks);
+        let in_runner = started.elapsed();
+        self.mask_rows = masks;
+        sampled?;
+        lap(&mut self.phases.sample, &mut mark);
+        Ok(in_runner)
     }
 
     /// Queues a scheduled step's forward pass on the device and starts its masks; returns
@@ -1137,7 +1181,7 @@ impl<B: Backend> Engine<B> {
     fn commit(&mut self, f: InFlight, picked: Sampled) -> Vec<NewToken> {
         let ready = self.scheduler.commit(&f.out);
         let picks = self.picks(f.sampled, picked);
-        let mut grammar_done = self.advance_grammars(&picks);
+        self.advance_grammars(&picks);
         let mut tokens = Vec::with_capacity(picks.len());
         for Pick {
             id,
@@ -1147,10 +1191,9 @@ impl<B: Backend> Engine<B> {
         {
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
             let request_id = state.request_id;
-            let done = grammar_done.remove(&id).unwrap_or(Ok(false));
-            let (token, logprobs, grammar_done) = match (picked, done) {
-                (Ok((token, logprobs)), Ok(done)) => (token, logprobs, done),
-                (Err(e), _) | (_, Err(e)) => {
+            let (token, logprobs) = match picked {
+                Ok(picked) => picked,
+                Err(e) => {
                     tracing::warn!("request {request_id}: {e:#}");
                     self.scheduler.remove(id);
                     tokens.push(NewToken {
@@ -1170,7 +1213,7 @@ impl<B: Backend> Engine<B> {
             let stop_token = num_output >= p.min_tokens && state.sampler.is_stop_token(token);
             let at_length = num_output >= p.max_tokens;
             self.scheduler.append(id, token);
-            if stop_token || at_length || grammar_done {
+            if stop_token || at_length {
                 self.scheduler.remove(id);
             }
             self.release_siblings(request_id, id);
@@ -1181,7 +1224,7 @@ impl<B: Backend> Engine<B> {
                 num_output,
                 stop_token,
                 at_length,
-                grammar_done,
+                grammar_done: false,
             });
         }
         debug_assert_eq!(ready, tokens.iter().map(|t| t.id).collect::<Vec<_>>());
@@ -1225,18 +1268,19 @@ impl<B: Backend> Engine<B> {
         picks
     }
 
-    /// Advances the constraints of the picked tokens' sequences past their tokens, in
-    /// parallel (a matcher's step takes microseconds, hundreds of rows one after another a
-    /// step's worth): `Ok(true)` where a grammar is complete. The same job then goes on to
-    /// the masks of the next tokens of the sequences that go on, while this thread
-    /// commits, schedules and submits the next step; [`finish_submit`](Self::finish_submit)
-    /// takes them back.
-    fn advance_grammars(&mut self, picks: &[Pick]) -> HashMap<SeqId, Result<bool>> {
-        let mut rows = vec![];
-        let mut tokens = vec![];
+    /// Starts advancing the constraints of the picked tokens' sequences past their tokens,
+    /// in parallel on the worker threads (a matcher's step takes microseconds, hundreds of
+    /// rows one after another a step's worth); the same job then goes on to the masks of
+    /// the next tokens of the sequences that go on. This thread commits, schedules and
+    /// submits the next step meanwhile: [`settle_grammars`](Self::settle_grammars) takes
+    /// the advance's outcome before the tokens are delivered, and
+    /// [`finish_submit`](Self::finish_submit) the masks.
+    fn advance_grammars(&mut self, picks: &[Pick]) {
+        let mut rows = Vec::with_capacity(picks.len());
+        let mut tokens = Vec::with_capacity(picks.len());
         // Whether the sequence has a next token to mask (a stop token or its last token
         // ends it here).
-        let mut goes_on = vec![];
+        let mut goes_on = Vec::with_capacity(picks.len());
         for p in picks {
             let Ok((token, _)) = &p.picked else { continue };
             let Some(st) = self.seqs.get_mut(&p.id) else {
@@ -1252,8 +1296,9 @@ impl<B: Backend> Engine<B> {
             }
         }
         if rows.is_empty() {
-            return HashMap::new();
+            return;
         }
+        let ids = rows.iter().map(|(id, _)| *id).collect();
         let (accepted_tx, accepted_rx) = mpsc::channel();
         let (masks_tx, masks_rx) = mpsc::channel();
         rayon::spawn(move || {
@@ -1274,15 +1319,44 @@ impl<B: Backend> Engine<B> {
             let _ = masks_tx.send(compute_masks(rows, &wanted));
         });
         self.mask_jobs.push(MaskJob(masks_rx));
-        match accepted_rx.recv() {
+        self.advancing = Some(Advancing {
+            ids,
+            outcome: accepted_rx,
+        });
+    }
+
+    /// Takes the outcome of the grammars' advance past `tokens`: a complete grammar ends its
+    /// sequence with this token, and a token the grammar refused ends it without the
+    /// token, both as a stop string would (the step already submitted computes one more
+    /// token for it, which is dropped).
+    fn settle_grammars(&mut self, tokens: &mut [NewToken]) {
+        let Some(Advancing { ids, outcome }) = self.advancing.take() else {
+            return;
+        };
+        let waiting = Instant::now();
+        let outcome = outcome.recv();
+        self.phases.advance_grammars += waiting.elapsed();
+        let mut done: HashMap<SeqId, Result<bool>> = match outcome {
             Ok((done, wall)) => {
                 self.structured_stats.accept_seconds += wall.as_secs_f64();
                 done.into_iter().collect()
             }
-            Err(_) => picks
-                .iter()
-                .map(|p| (p.id, Err(anyhow!("a structured-output worker failed"))))
+            Err(_) => ids
+                .into_iter()
+                .map(|id| (id, Err(anyhow!("a structured-output worker failed"))))
                 .collect(),
+        };
+        for t in tokens {
+            match done.remove(&t.id) {
+                Some(Ok(complete)) => t.grammar_done = complete,
+                Some(Err(e)) => {
+                    let request_id = self.request_of(t.id);
+                    tracing::warn!("request {request_id}: {e:#}");
+                    t.token = None;
+                    t.logprobs = None;
+                }
+                None => {}
+            }
         }
     }
 

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Why a request was not taken.
 #[derive(Debug, thiserror::Error)]
@@ -295,6 +296,8 @@ fn admitted_reply(
 struct Loop {
     live: HashMap<RequestId, Live>,
     draining: bool,
+    /// This thread's busy time outside [`Engine::step`].
+    between_steps: Duration,
 }
 
 impl Loop {
@@ -410,13 +413,17 @@ fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<
                 Err(_) => return,
             }
         }
+        let mut mark = Instant::now();
         while let Ok(cmd) = rx.try_recv() {
             handle(engine, &mut state, cmd);
         }
         state.abort_abandoned(engine);
         let live = &mut state.live;
         if engine.has_work() {
-            match engine.step() {
+            state.between_steps += mark.elapsed();
+            let result = engine.step();
+            mark = Instant::now();
+            match result {
                 Ok(deltas) => {
                     for d in deltas {
                         let id = d.request_id;
@@ -447,6 +454,9 @@ fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<
                 }
             }
         }
-        *stats.lock().unwrap_or_else(|e| e.into_inner()) = engine.stats();
+        let mut now = engine.stats();
+        state.between_steps += mark.elapsed();
+        now.phases.between_steps = state.between_steps;
+        *stats.lock().unwrap_or_else(|e| e.into_inner()) = now;
     }
 }

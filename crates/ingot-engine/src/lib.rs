@@ -8,6 +8,7 @@ pub mod engine;
 pub mod engine_loop;
 pub mod runner;
 pub mod sampler;
+mod step_phases;
 pub mod structured;
 
 pub use engine::default_max_num_seqs;
@@ -18,4 +19,5 @@ pub use engine::{
 pub use engine_loop::{EngineHandle, Event, Events, Failure, SubmitError};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};
 pub use sampler::{Sampler, TokenLogprobs};
+pub use step_phases::StepPhases;
 pub use structured::{Grammar, Grammars};

@@ -136,7 +136,9 @@ impl Grammars {
 /// One sequence's constraint: where its output stands in the grammar, and the mask of the
 /// tokens allowed next once computed.
 pub struct Constraint {
-    matcher: Matcher,
+    /// Boxed: constraints move to the worker threads and back every step, and a matcher is
+    /// 1.5 kB, which hundreds of rows would copy each time.
+    matcher: Box<Matcher>,
     /// The next token's allowed set, or why it could not be computed.
     mask: Option<Result<SimpleVob, String>>,
     /// While the model reasons: the end marker's token ids, and the output's last tokens
@@ -147,7 +149,7 @@ pub struct Constraint {
 impl Constraint {
     pub fn new(grammar: &Grammar) -> Constraint {
         Constraint {
-            matcher: Matcher::new(Ok(TokenParser::clone(&grammar.0))),
+            matcher: Box::new(Matcher::new(Ok(TokenParser::clone(&grammar.0)))),
             mask: None,
             reasoning: None,
         }

@@ -12,6 +12,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 /// The response's content type: what Prometheus asks for first.
@@ -274,6 +275,22 @@ impl Metrics {
             "Wall time of advancing each step's structured-output grammars past their new tokens (in parallel), summed over steps",
             s.structured.accept_seconds,
         );
+        engine.register(
+            "ingot:engine_steps",
+            "Engine steps that read back or submitted work",
+            ConstCounter::new(s.phases.steps),
+        );
+        let phases = Family::<[(&str, &str); 1], Counter<f64, AtomicU64>>::default();
+        for (phase, time) in s.phases.named() {
+            phases
+                .get_or_create(&[("phase", phase)])
+                .inc_by(time.as_secs_f64());
+        }
+        engine.register(
+            "ingot:engine_step_phase_seconds",
+            "The engine thread's time in each phase of its steps, summed over steps",
+            phases,
+        );
         let mut out = String::with_capacity(16 << 10);
         // Writing into a String cannot fail.
         let _ = encode_registry(&mut out, &engine)
@@ -316,6 +333,12 @@ mod tests {
             total_blocks: 10,
             free_blocks: 7,
             num_preemptions: 4,
+            phases: ingot_engine::StepPhases {
+                steps: 5,
+                wait_device: Duration::from_millis(6),
+                wait_masks: Duration::from_micros(250),
+                ..Default::default()
+            },
             ..EngineStats::default()
         };
         let text = m.render(&stats);
@@ -324,6 +347,14 @@ mod tests {
         assert_eq!(value(&text, "ingot:kv_cache_blocks_in_use"), 3.0);
         assert_eq!(value(&text, "ingot:num_preemptions_total"), 4.0);
         assert_eq!(value(&text, "ingot:prompt_tokens_total"), 7.0);
+        assert_eq!(value(&text, "ingot:engine_steps_total"), 5.0);
+        let phase = |p: &str| {
+            let series = format!("ingot:engine_step_phase_seconds_total{{phase=\"{p}\"}}");
+            value(&text, &series)
+        };
+        assert!((phase("wait_device") - 0.006).abs() < 1e-12);
+        assert!((phase("wait_masks") - 0.00025).abs() < 1e-12);
+        assert_eq!(phase("between_steps"), 0.0);
         assert_eq!(value(&text, "ingot:generation_tokens_total"), 3.0);
         assert_eq!(
             value(

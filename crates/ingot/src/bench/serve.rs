@@ -311,7 +311,7 @@ async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -
         })
         .collect();
     let url = format!("{base}{}", args.endpoint);
-    let masks_before = mask_counters(&client, &base).await;
+    let counters_before = engine_counters(&client, &base).await;
     let start = Instant::now();
     let outcomes = load(
         &client,
@@ -327,8 +327,9 @@ async fn bench(args: ServeArgs, requests: Vec<Request>, delays: Vec<Duration>) -
     progress.finish_and_clear();
     let mut report = report(&args, &model, &outcomes, duration);
     report["constraint"] = json!(constraint.map(|(k, v)| json!({k: v})));
-    if let (Some(a), Some(b)) = (masks_before, mask_counters(&client, &base).await) {
+    if let (Some(a), Some(b)) = (counters_before, engine_counters(&client, &base).await) {
         report["structured_output"] = mask_report(&a, &b);
+        report["engine_steps"] = phase_report(&a, &b);
     }
     if let Some(path) = &args.save_result {
         let mut saved = report.clone();
@@ -457,8 +458,22 @@ fn event_end(buf: &[u8]) -> Option<usize> {
     }
 }
 
-/// ingot's structured-output counters from `/metrics`, where the server has them.
-async fn mask_counters(client: &reqwest::Client, base: &str) -> Option<[f64; 5]> {
+/// The engine phases whose times `/metrics` serves (`ingot:engine_step_phase_seconds`).
+const PHASES: [&str; 9] = [
+    "wait_device",
+    "commit",
+    "advance_grammars",
+    "schedule",
+    "submit",
+    "deliver",
+    "wait_masks",
+    "sample",
+    "between_steps",
+];
+
+/// ingot's counters from `/metrics`, where the server has them: the structured-output
+/// counters, the engine's steps, then the time of each of its [`PHASES`].
+async fn engine_counters(client: &reqwest::Client, base: &str) -> Option<Vec<f64>> {
     let text = client
         .get(format!("{base}/metrics"))
         .send()
@@ -471,19 +486,23 @@ async fn mask_counters(client: &reqwest::Client, base: &str) -> Option<[f64; 5]>
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
     };
-    Some([
-        value("ingot:structured_output_masks_total")?,
-        value("ingot:structured_output_mask_steps_total")?,
-        value("ingot:structured_output_mask_seconds_total")?,
-        value("ingot:structured_output_mask_step_seconds_total")?,
-        value("ingot:structured_output_accept_seconds_total")?,
-    ])
+    let mut names: Vec<String> = [
+        "ingot:structured_output_masks_total",
+        "ingot:structured_output_mask_steps_total",
+        "ingot:structured_output_mask_seconds_total",
+        "ingot:structured_output_mask_step_seconds_total",
+        "ingot:structured_output_accept_seconds_total",
+        "ingot:engine_steps_total",
+    ]
+    .map(String::from)
+    .into();
+    names.extend(PHASES.map(|p| format!("ingot:engine_step_phase_seconds_total{{phase=\"{p}\"}}")));
+    names.iter().map(|n| value(n)).collect()
 }
 
 /// The masks a run computed and their time per token and per step, and the time per step
-/// of advancing the grammars, from the counters
-/// before and after it.
-fn mask_report(before: &[f64; 5], after: &[f64; 5]) -> Value {
+/// of advancing the grammars, from the counters before and after it.
+fn mask_report(before: &[f64], after: &[f64]) -> Value {
     let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
     let per = |t: f64, n: f64| {
         if n > 0.0 {
@@ -499,6 +518,18 @@ fn mask_report(before: &[f64; 5], after: &[f64; 5]) -> Value {
         "mask_us_per_step": per(d[3], d[1]),
         "accept_us_per_step": per(d[4], d[1]),
     })
+}
+
+/// The engine's steps in a run and the time of each phase per step (µs), from the counters
+/// before and after it.
+fn phase_report(before: &[f64], after: &[f64]) -> Value {
+    let steps = after[5] - before[5];
+    let mut phases = serde_json::Map::new();
+    for (k, p) in PHASES.iter().enumerate() {
+        let t = after[6 + k] - before[6 + k];
+        phases.insert((*p).into(), json!((steps > 0.0).then(|| t / steps * 1e6)));
+    }
+    json!({"steps": steps, "us_per_step": phases})
 }
 
 /// Mean, median, p90 and p99 in ms; null when nothing was measured.
@@ -611,11 +642,42 @@ fn print_report(r: &Value) {
             g("accept_us_per_step")
         );
     }
+    let steps = &r["engine_steps"];
+    if !steps.is_null() {
+        let phases: Vec<String> = PHASES
+            .iter()
+            .filter_map(|p| Some(format!("{p} {:.0}", steps["us_per_step"][p].as_f64()?)))
+            .collect();
+        println!(
+            "  engine: {} steps, µs per step: {}",
+            steps["steps"],
+            phases.join(", ")
+        );
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn phase_report_gives_each_phase_per_step_of_the_run() {
+        let mut before = vec![0.0; 6 + PHASES.len()];
+        before[5] = 10.0;
+        let mut after = before.clone();
+        after[5] = 14.0;
+        // 2 ms of waiting for the device and 0.4 ms of masks over the run's 4 steps.
+        after[6] = 0.002;
+        after[6 + 6] = 0.0004;
+        let r = phase_report(&before, &after);
+        assert_eq!(r["steps"], 4.0);
+        let us = |p: &str| r["us_per_step"][p].as_f64().unwrap();
+        assert!((us("wait_device") - 500.0).abs() < 1e-6);
+        assert!((us("wait_masks") - 100.0).abs() < 1e-6);
+        assert_eq!(us("commit"), 0.0);
+        let idle = phase_report(&before, &before);
+        assert!(idle["us_per_step"]["wait_device"].is_null());
+    }
 
     #[test]
     fn sse_events_end_at_a_blank_line_of_either_kind() {

@@ -1,0 +1,53 @@
+//! Where the engine thread's time goes: each phase of a step, summed since start. A step
+//! whose host work outlasts the device's shows it here (served as `/metrics` counters, read
+//! by `ingot bench serve`).
+
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepPhases {
+    /// Steps that read back or submitted work.
+    pub steps: u64,
+    /// Waiting for the device to finish the step before, and reading its results back.
+    pub wait_device: Duration,
+    /// Committing the tokens read back (host sampling, stop tokens, scheduler state), the
+    /// grammars' advance excluded.
+    pub commit: Duration,
+    /// Waiting for the structured-output grammars to advance past the new tokens.
+    pub advance_grammars: Duration,
+    pub schedule: Duration,
+    /// Queuing the next forward pass on the device.
+    pub submit: Duration,
+    /// Detokenizing, stop strings, and the deltas of the step before.
+    pub deliver: Duration,
+    /// Waiting for the next step's structured-output masks.
+    pub wait_masks: Duration,
+    /// Queuing the next step's token picks (with their masks) on the device.
+    pub sample: Duration,
+    /// The engine thread's time between steps: requests in, deltas out, aborts.
+    pub between_steps: Duration,
+}
+
+impl StepPhases {
+    /// Each phase with its metric label, in the order a step runs them.
+    pub fn named(&self) -> [(&'static str, Duration); 9] {
+        [
+            ("wait_device", self.wait_device),
+            ("commit", self.commit),
+            ("advance_grammars", self.advance_grammars),
+            ("schedule", self.schedule),
+            ("submit", self.submit),
+            ("deliver", self.deliver),
+            ("wait_masks", self.wait_masks),
+            ("sample", self.sample),
+            ("between_steps", self.between_steps),
+        ]
+    }
+}
+
+/// Adds the time since `*mark` to `phase` and moves the mark to now.
+pub fn lap(phase: &mut Duration, mark: &mut Instant) {
+    let now = Instant::now();
+    *phase += now - *mark;
+    *mark = now;
+}
