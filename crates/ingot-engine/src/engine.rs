@@ -931,13 +931,13 @@ impl<B: Backend> Engine<B> {
         }
         // The previous step's text is made while the worker threads compute this step's
         // masks and the device runs its forward pass.
-        let advanced_before = self.phases.advance_grammars;
         let deltas = match done {
             Some((info, done)) => {
                 self.last_step = info;
                 match done {
                     Done::Tokens(mut tokens) => {
                         self.settle_grammars(&mut tokens);
+                        lap(&mut self.phases.advance_grammars, &mut mark);
                         self.deliver(tokens)
                     }
                     Done::Pooled(deltas) => Ok(deltas),
@@ -949,7 +949,6 @@ impl<B: Backend> Engine<B> {
             }
         };
         lap(&mut self.phases.deliver, &mut mark);
-        self.phases.deliver -= self.phases.advance_grammars - advanced_before;
         in_runner += self.finish_submit()?;
         self.last_step.execute = in_runner;
         deltas
@@ -1333,10 +1332,7 @@ impl<B: Backend> Engine<B> {
         let Some(Advancing { ids, outcome }) = self.advancing.take() else {
             return;
         };
-        let waiting = Instant::now();
-        let outcome = outcome.recv();
-        self.phases.advance_grammars += waiting.elapsed();
-        let mut done: HashMap<SeqId, Result<bool>> = match outcome {
+        let mut done: HashMap<SeqId, Result<bool>> = match outcome.recv() {
             Ok((done, wall)) => {
                 self.structured_stats.accept_seconds += wall.as_secs_f64();
                 done.into_iter().collect()

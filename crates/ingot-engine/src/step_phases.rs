@@ -10,10 +10,10 @@ pub struct StepPhases {
     pub steps: u64,
     /// Waiting for the device to finish the step before, and reading its results back.
     pub wait_device: Duration,
-    /// Committing the tokens read back (host sampling, stop tokens, scheduler state), the
-    /// grammars' advance excluded.
+    /// Committing the tokens read back (host sampling, stop tokens, scheduler state).
     pub commit: Duration,
-    /// Waiting for the structured-output grammars to advance past the new tokens.
+    /// Waiting for the structured-output grammars to advance past the new tokens, and
+    /// applying what they say to them.
     pub advance_grammars: Duration,
     pub schedule: Duration,
     /// Queuing the next forward pass on the device.
@@ -29,19 +29,33 @@ pub struct StepPhases {
 }
 
 impl StepPhases {
-    /// Each phase with its metric label, in the order a step runs them.
+    /// The phases' metric labels, in the order a step runs them.
+    pub const NAMES: [&'static str; 9] = [
+        "wait_device",
+        "commit",
+        "advance_grammars",
+        "schedule",
+        "submit",
+        "deliver",
+        "wait_masks",
+        "sample",
+        "between_steps",
+    ];
+
+    /// Each phase with its label from [`NAMES`](Self::NAMES).
     pub fn named(&self) -> [(&'static str, Duration); 9] {
-        [
-            ("wait_device", self.wait_device),
-            ("commit", self.commit),
-            ("advance_grammars", self.advance_grammars),
-            ("schedule", self.schedule),
-            ("submit", self.submit),
-            ("deliver", self.deliver),
-            ("wait_masks", self.wait_masks),
-            ("sample", self.sample),
-            ("between_steps", self.between_steps),
-        ]
+        let times = [
+            self.wait_device,
+            self.commit,
+            self.advance_grammars,
+            self.schedule,
+            self.submit,
+            self.deliver,
+            self.wait_masks,
+            self.sample,
+            self.between_steps,
+        ];
+        std::array::from_fn(|i| (Self::NAMES[i], times[i]))
     }
 }
 

@@ -459,17 +459,7 @@ fn event_end(buf: &[u8]) -> Option<usize> {
 }
 
 /// The engine phases whose times `/metrics` serves (`ingot:engine_step_phase_seconds`).
-const PHASES: [&str; 9] = [
-    "wait_device",
-    "commit",
-    "advance_grammars",
-    "schedule",
-    "submit",
-    "deliver",
-    "wait_masks",
-    "sample",
-    "between_steps",
-];
+const PHASES: [&str; 9] = ingot_engine::StepPhases::NAMES;
 
 /// ingot's counters from `/metrics`, where the server has them: the structured-output
 /// counters, the engine's steps, then the time of each of its [`PHASES`].
