@@ -1,7 +1,7 @@
 //! The conformance suite (`conformance/mod.rs`) on the wgpu backend: f32 activations,
-//! f32/f16/bf16 and GGUF Q8_0/Q4_0/Q4_1/Q4_K weights, f32/f16/bf16 KV caches, once with the
-//! adapter's SHADER_F16 and SUBGROUP features and once without (packed f16 pairs,
-//! workgroup-memory reductions).
+//! f32/f16/bf16 and GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K weights, f32/f16/bf16 KV caches,
+//! once with the adapter's SHADER_F16 and SUBGROUP features and once without (packed f16
+//! pairs, workgroup-memory reductions).
 //!
 //! They run on the first adapter wgpu finds: Mesa's lavapipe in CI (`make test` installs
 //! it), a GPU through Vulkan or Metal elsewhere. Without any adapter they fail.

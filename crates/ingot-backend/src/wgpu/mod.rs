@@ -2,9 +2,9 @@
 //! elsewhere (and on Mesa's lavapipe, a CPU Vulkan, in CI).
 //!
 //! Activations run in f32 (the ops that bound a step read weights and the KV cache, which
-//! keep 16-bit formats); matrices are kept as f32, f16, bf16 or GGUF Q8_0, Q4_0, Q4_1, Q4_K
-//! blocks that the shaders dequantize (other block formats are converted to f16 at load);
-//! the KV cache may be f32, f16 or bf16. Ops are recorded, not run: each
+//! keep 16-bit formats); matrices are kept as f32, f16, bf16 or GGUF Q8_0, Q4_0, Q4_1, Q4_K,
+//! Q5_K or Q6_K blocks that the shaders dequantize (every GGUF format ingot reads); the KV
+//! cache may be f32, f16 or bf16. Ops are recorded, not run: each
 //! adds a dispatch to the step's list, which goes to the GPU in compute passes of a few
 //! dozen dispatches as it grows, and at once when the host needs a result (a download, an
 //! upload that must not overtake the recorded ops, or a synchronize).
@@ -561,10 +561,20 @@ struct GemvEpilogue {
     add_out: bool,
 }
 
-/// The GGUF formats whose blocks (an f16 scale, then quants) are not word-aligned, so the
+/// The GGUF formats whose blocks (an f16 scale and quants) are not word-aligned, so the
 /// device stores them in pairs ([`scale_pairs`]).
 fn paired(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0)
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q6K)
+}
+
+/// Where the f16 scale of a [`paired`] format's block starts: first in Q8_0 and Q4_0, last
+/// in Q6_K.
+fn scale_offset(dtype: DType) -> usize {
+    if dtype == DType::Q6K {
+        dtype.block_bytes() - 2
+    } else {
+        0
+    }
 }
 
 /// Bytes a buffer of `numel` elements of `dtype` takes on the device.
@@ -576,10 +586,11 @@ fn stored_bytes(dtype: DType, numel: usize) -> usize {
     }
 }
 
-/// GGUF blocks of `block_bytes` (an f16 scale, then quants: Q8_0's 34, Q4_0's 18) regrouped
-/// in pairs of two blocks that start on 4-byte words: both scales, then both blocks' quants.
-/// An odd last block is paired with zeros.
-fn scale_pairs(blocks: &[u8], block_bytes: usize) -> Result<Vec<u8>> {
+/// GGUF blocks of `block_bytes` (an f16 scale at `scale_at` and quants: Q8_0's 34 and
+/// Q4_0's 18 bytes with the scale first, Q6_K's 210 with it last) regrouped in pairs of two
+/// blocks that start on 4-byte words: both scales, then each block's other bytes in their
+/// order. An odd last block is paired with zeros.
+fn scale_pairs(blocks: &[u8], block_bytes: usize, scale_at: usize) -> Result<Vec<u8>> {
     ensure!(
         blocks.len().is_multiple_of(block_bytes),
         "upload of {} bytes is not whole blocks of {block_bytes}",
@@ -590,10 +601,13 @@ fn scale_pairs(blocks: &[u8], block_bytes: usize) -> Result<Vec<u8>> {
     for pair in blocks.chunks(2 * block_bytes) {
         let (a, b) = pair.split_at(block_bytes);
         let b = if b.is_empty() { &zeros[..] } else { b };
-        out.extend_from_slice(&a[..2]);
-        out.extend_from_slice(&b[..2]);
-        out.extend_from_slice(&a[2..]);
-        out.extend_from_slice(&b[2..]);
+        let scale = scale_at..scale_at + 2;
+        out.extend_from_slice(&a[scale.clone()]);
+        out.extend_from_slice(&b[scale]);
+        for block in [a, b] {
+            out.extend_from_slice(&block[..scale_at]);
+            out.extend_from_slice(&block[scale_at + 2..]);
+        }
     }
     Ok(out)
 }
@@ -641,7 +655,7 @@ impl Backend for WgpuBackend {
     }
 
     /// Matrices keep f32/f16/bf16 and the GGUF blocks the shaders dequantize
-    /// ([`shader::BLOCKS`]); other block formats become f16 at load.
+    /// ([`shader::BLOCKS`]); any other block format becomes f16 at load.
     fn weight_dtype(&self, stored: DType, _activation: DType) -> DType {
         match stored {
             DType::F32 | DType::F16 | DType::BF16 => stored,
@@ -677,8 +691,8 @@ impl Backend for WgpuBackend {
         Ok(WgpuBuffer { buf, dtype, numel })
     }
 
-    /// Q8_0 and Q4_0 come as GGUF blocks and are stored in pairs ([`scale_pairs`]); every
-    /// other dtype is stored as it comes.
+    /// Q8_0, Q4_0 and Q6_K come as GGUF blocks and are stored in pairs ([`scale_pairs`]);
+    /// every other dtype is stored as it comes.
     fn upload(&self, dst: &mut WgpuBuffer, bytes: &[u8]) -> Result<()> {
         let held = dst.dtype.bytes_for(dst.numel);
         ensure!(
@@ -688,7 +702,7 @@ impl Backend for WgpuBackend {
         );
         let pairs;
         let (bytes, held) = if paired(dst.dtype) {
-            pairs = scale_pairs(bytes, dst.dtype.block_bytes())?;
+            pairs = scale_pairs(bytes, dst.dtype.block_bytes(), scale_offset(dst.dtype))?;
             (&pairs[..], stored_bytes(dst.dtype, dst.numel))
         } else {
             (bytes, held)
@@ -1516,7 +1530,7 @@ mod tests {
         let blocks: Vec<u8> = (0..3u8)
             .flat_map(|b| [10 + b, 0].into_iter().chain([100 + b; 32]))
             .collect();
-        let pairs = scale_pairs(&blocks, 34).unwrap();
+        let pairs = scale_pairs(&blocks, 34, 0).unwrap();
         assert_eq!(pairs.len(), 2 * 68);
         assert_eq!(pairs.len(), stored_bytes(DType::Q8_0, 3 * 32));
         assert_eq!(&pairs[..4], &[10, 0, 11, 0]);
@@ -1525,7 +1539,20 @@ mod tests {
         assert_eq!(&pairs[68..72], &[12, 0, 0, 0]);
         assert!(pairs[72..104].iter().all(|&q| q == 102));
         assert!(pairs[104..].iter().all(|&q| q == 0));
-        assert!(scale_pairs(&blocks[..40], 34).is_err());
+        assert!(scale_pairs(&blocks[..40], 34, 0).is_err());
         assert_eq!(stored_bytes(DType::Q4_0, 3 * 32), 2 * 36);
+    }
+
+    #[test]
+    fn q6_k_blocks_pair_up_their_trailing_scales() {
+        // Two blocks: quants 100+b, scale bytes 10+b and 20+b.
+        let blocks: Vec<u8> = (0..2u8)
+            .flat_map(|b| [100 + b; 208].into_iter().chain([10 + b, 20 + b]))
+            .collect();
+        let pairs = scale_pairs(&blocks, 210, scale_offset(DType::Q6K)).unwrap();
+        assert_eq!(pairs.len(), stored_bytes(DType::Q6K, 2 * 256));
+        assert_eq!(&pairs[..4], &[10, 20, 11, 21]);
+        assert!(pairs[4..212].iter().all(|&q| q == 100));
+        assert!(pairs[212..].iter().all(|&q| q == 101));
     }
 }

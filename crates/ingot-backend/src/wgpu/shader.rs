@@ -5,10 +5,10 @@
 //!
 //! GGUF blocks are read as they are stored and dequantized in the accessors, so a
 //! quantized matrix takes its file size on the device and the kernels that read floats
-//! read it unchanged. Q4_1 (20-byte blocks) and Q4_K (144-byte super-blocks) are word
-//! aligned; Q8_0's 34-byte and Q4_0's 18-byte blocks are not, so the backend stores them in
-//! pairs, the two scales in one word and then the two blocks' quants (17 and 9 words for 64
-//! elements).
+//! read it unchanged. Q4_1 (20-byte blocks), Q4_K (144-byte super-blocks) and Q5_K (176)
+//! are word aligned; Q8_0's 34-byte, Q4_0's 18-byte and Q6_K's 210-byte blocks are not, so
+//! the backend stores them in pairs, the two f16 scales in one word and then the rest of
+//! each block (17, 9 and 105 words for two blocks).
 
 use crate::DType;
 
@@ -54,7 +54,14 @@ pub struct Kernel {
 
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 /// The GGUF block formats the weight accessors dequantize.
-pub const BLOCKS: &[DType] = &[DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K];
+pub const BLOCKS: &[DType] = &[
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+];
 /// The dtypes a weight matrix may have: the floats and the blocks.
 const WEIGHTS: &[DType] = &concat::<{ FLOATS.len() + BLOCKS.len() }>(FLOATS, BLOCKS);
 
@@ -398,6 +405,8 @@ fn block_accessor(t: &Typed, dtype: DType) -> String {
         DType::Q4_0 => (Q4_0_AT, Q4_0_AT8),
         DType::Q4_1 => (Q4_1_AT, Q4_1_AT8),
         DType::Q4K => (Q4K_AT, Q4K_AT8),
+        DType::Q5K => (Q5K_AT, Q5K_AT8),
+        DType::Q6K => (Q6K_AT, Q6K_AT8),
         other => panic!("no {other} accessors"),
     };
     let (n, b) = (t.name, t.binding);
@@ -411,14 +420,21 @@ fn block_accessor(t: &Typed, dtype: DType) -> String {
     s
 }
 
-/// Unpacking shared by the block accessors: four signed bytes, four low nibbles of bytes,
-/// and the 6-bit scale and min of K-quant sub-block j from its 12 packed scale bytes.
+/// Unpacking shared by the block accessors: four signed bytes, the bits under `mask` of
+/// four bytes (four low nibbles: `u4x4`), one signed byte, and the 6-bit scale and min of
+/// K-quant sub-block j from its 12 packed scale bytes.
 const BLOCK_HELPERS: &str = "
 fn i8x4(u: u32) -> vec4<f32> {
     return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(u << 24u, u << 16u, u << 8u, u)) >> vec4<u32>(24u));
 }
+fn bits4(u: u32, mask: u32) -> vec4<f32> {
+    return vec4<f32>((vec4<u32>(u) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(mask));
+}
 fn u4x4(u: u32) -> vec4<f32> {
-    return vec4<f32>((vec4<u32>(u) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(15u));
+    return bits4(u, 15u);
+}
+fn i8_at(w: u32, k: u32) -> f32 {
+    return f32(bitcast<i32>(w << (24u - 8u * k)) >> 24u);
 }
 fn k4_byte(s: vec3<u32>, k: u32) -> u32 {
     return (s[k >> 2u] >> (8u * (k & 3u))) & 255u;
@@ -526,6 +542,81 @@ fn $N_at8(g: u32) -> W8 {
     let m = dd.y * sm.y;
     let o = base + 4u + 8u * c + 2u * (p & 3u);
     return W8(d * u4x4($A[o] >> (4u * h)) - m, d * u4x4($A[o + 1u] >> (4u * h)) - m);
+}
+";
+
+// Q5_K super-blocks of 256: Q4_K's scale words (0-3), then words 4-11 the high bits (bit
+// 2c + h of byte l: element 64c + 32h + l) and words 12-43 the low nibbles laid out as
+// Q4_K's quants.
+const Q5K_AT: &str = "
+fn $N_at(i: u32) -> f32 {
+    let base = (i >> 8u) * 44u;
+    let e = i & 255u;
+    let c = e >> 6u;
+    let h = (e >> 5u) & 1u;
+    let l = e & 31u;
+    let dd = unpack2x16float($A[base]);
+    let sm = k4_scale_min(vec3<u32>($A[base + 1u], $A[base + 2u], $A[base + 3u]), 2u * c + h);
+    let lo = ($A[base + 12u + 8u * c + (l >> 2u)] >> (8u * (l & 3u) + 4u * h)) & 15u;
+    let hi = ($A[base + 4u + (l >> 2u)] >> (8u * (l & 3u) + 2u * c + h)) & 1u;
+    return (dd.x * sm.x) * f32(lo + 16u * hi) - dd.y * sm.y;
+}
+";
+const Q5K_AT8: &str = "
+fn $N_at8(g: u32) -> W8 {
+    let base = (g >> 5u) * 44u;
+    let p = g & 31u;
+    let c = p >> 3u;
+    let h = (p >> 2u) & 1u;
+    let dd = unpack2x16float($A[base]);
+    let sm = k4_scale_min(vec3<u32>($A[base + 1u], $A[base + 2u], $A[base + 3u]), 2u * c + h);
+    let d = dd.x * sm.x;
+    let m = dd.y * sm.y;
+    let o = base + 12u + 8u * c + 2u * (p & 3u);
+    let oh = base + 4u + 2u * (p & 3u);
+    let sh = 2u * c + h;
+    return W8(d * (u4x4($A[o] >> (4u * h)) + 16.0 * bits4($A[oh] >> sh, 1u)) - m,
+              d * (u4x4($A[o + 1u] >> (4u * h)) + 16.0 * bits4($A[oh + 1u] >> sh, 1u)) - m);
+}
+";
+
+// Q6_K pairs: word 0 holds both blocks' f16 scales d, then each block's other 208 bytes
+// (52 words from word 1 + 52b): words 0-31 the low nibbles, 32-47 the high 2-bit pairs,
+// 48-51 sixteen signed 8-bit sub-block scales. Element 128n + 32t + l (t < 4, l < 32) is
+// nibble t / 2 of low byte 64n + 32(t % 2) + l and pair t of high byte 32n + l, scaled by
+// d times scale 8n + 2t + l / 16, offset by 32.
+const Q6K_AT: &str = "
+fn $N_at(i: u32) -> f32 {
+    let b = i >> 8u;
+    let o = (b >> 1u) * 105u + 1u + 52u * (b & 1u);
+    let e = i & 255u;
+    let n = e >> 7u;
+    let t = (e >> 5u) & 3u;
+    let l = e & 31u;
+    let lb = 64u * n + 32u * (t & 1u) + l;
+    let lo = ($A[o + (lb >> 2u)] >> (8u * (lb & 3u) + 4u * (t >> 1u))) & 15u;
+    let hb = 32u * n + l;
+    let hi = ($A[o + 32u + (hb >> 2u)] >> (8u * (hb & 3u) + 2u * t)) & 3u;
+    let s = 8u * n + 2u * t + (l >> 4u);
+    let d = unpack2x16float($A[(b >> 1u) * 105u])[b & 1u] * i8_at($A[o + 48u + (s >> 2u)], s & 3u);
+    return d * (f32(lo | (hi << 4u)) - 32.0);
+}
+";
+const Q6K_AT8: &str = "
+fn $N_at8(g: u32) -> W8 {
+    let b = g >> 5u;
+    let o = (b >> 1u) * 105u + 1u + 52u * (b & 1u);
+    let p = g & 31u;
+    let n = p >> 4u;
+    let t = (p >> 2u) & 3u;
+    let r = p & 3u;
+    let ol = o + 16u * n + 8u * (t & 1u) + 2u * r;
+    let oh = o + 32u + 8u * n + 2u * r;
+    let s = 8u * n + 2u * t + (r >> 1u);
+    let d = unpack2x16float($A[(b >> 1u) * 105u])[b & 1u] * i8_at($A[o + 48u + (s >> 2u)], s & 3u);
+    let ls = 4u * (t >> 1u);
+    return W8(d * (u4x4($A[ol] >> ls) + 16.0 * bits4($A[oh] >> (2u * t), 3u) - 32.0),
+              d * (u4x4($A[ol + 1u] >> ls) + 16.0 * bits4($A[oh + 1u] >> (2u * t), 3u) - 32.0));
 }
 ";
 

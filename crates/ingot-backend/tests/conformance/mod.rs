@@ -1776,6 +1776,7 @@ pub fn moe_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes, one_row_path: bool) 
         (19, 8, 8, 64, 64, true),
         (64, 128, 8, 256, 64, false),
         (9, 8, 2, 192, 320, false),
+        (6, 8, 2, 256, 256, false),
         (200, 8, 2, 192, 320, false),
         (300, 128, 8, 256, 64, false),
     ];
