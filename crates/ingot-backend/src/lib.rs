@@ -5,6 +5,7 @@
 //! [`Backend::download_f32`] at the end of a step. On the CPU backend "enqueue" means
 //! "run now", which keeps it a plain reference for the GPU backends.
 
+pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -14,8 +15,10 @@ pub mod sampling;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+pub use collective::Collective;
 pub use dtype::DType;
 pub use sampling::{LogitEdit, SampleRow};
+use std::sync::Arc;
 
 /// Index of the largest value, the first among equals (as `torch.argmax`).
 pub fn first_argmax(values: &[f32]) -> u32 {
@@ -374,6 +377,18 @@ pub trait Backend: Send + Sync {
     /// Free and total device memory, for backends whose memory is their own (GPUs).
     fn memory_info(&self) -> Option<MemoryInfo> {
         None
+    }
+
+    /// Joins `devices` into a tensor-parallel group, `devices[r]` as rank `r`: each rank's
+    /// [`Collective`], in rank order.
+    fn tensor_parallel_group(devices: &[Self]) -> anyhow::Result<Vec<Arc<dyn Collective<Self>>>>
+    where
+        Self: Sized + 'static,
+    {
+        anyhow::bail!(
+            "tensor parallelism is not supported on {}",
+            devices.first().map_or_else(String::new, |d| d.name())
+        )
     }
 
     /// Whether the ops run on the host's cores, in the host's memory: the engine then sizes

@@ -6,7 +6,7 @@ use crate::runner::{ModelRunner, RunnerConfig, StepInput};
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::step_phases::{lap, StepPhases};
 use crate::structured::{Constraint, Grammar, Grammars};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use ingot_backend::sampling::mask_words;
 use ingot_backend::{host_available_memory, Backend, DType, LogitEdit, SampleRow};
 use ingot_core::{
@@ -341,7 +341,42 @@ impl<B: Backend> Engine<B> {
         model: Model<B>,
         tokenizer: Arc<Tokenizer>,
         config: EngineConfig,
-    ) -> Result<Self> {
+    ) -> Result<Self>
+    where
+        B: 'static,
+    {
+        Self::with_peers(backend, model, vec![], tokenizer, config)
+    }
+
+    /// An engine on `ranks`' devices: one backend with its model, or a tensor-parallel
+    /// group's backends with their shares, in rank order.
+    pub fn with_ranks(
+        ranks: Vec<(B, Model<B>)>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self>
+    where
+        B: 'static,
+    {
+        let mut ranks = ranks.into_iter();
+        let (backend, model) = ranks.next().context("an engine needs a device")?;
+        Self::with_peers(backend, model, ranks.collect(), tokenizer, config)
+    }
+
+    /// An engine whose model is split over a tensor-parallel group: `model` is the first
+    /// rank's share, on `backend`, and `peers` hold the other ranks' shares on theirs. The
+    /// KV cache is sized from the first rank's device (every rank holds its heads' share
+    /// of each block).
+    pub fn with_peers(
+        backend: B,
+        model: Model<B>,
+        peers: Vec<(B, Model<B>)>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self>
+    where
+        B: 'static,
+    {
         let cfg = &model.config;
         let on_cpu = backend.runs_on_host_cpu();
         let max_model_len = match config.max_model_len {
@@ -457,9 +492,10 @@ impl<B: Backend> Engine<B> {
             }
             _ => config.prefix_caching,
         };
-        let runner = ModelRunner::new(
+        let runner = ModelRunner::with_peers(
             backend,
             model,
+            peers,
             RunnerConfig {
                 max_num_batched_tokens: config.max_num_batched_tokens,
                 max_num_seqs,

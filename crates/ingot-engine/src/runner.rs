@@ -5,6 +5,7 @@ use anyhow::{ensure, Result};
 use ingot_backend::sampling::mask_words;
 use ingot_backend::{Backend, CacheLayout, DType, LogitEdit, SampleRow};
 use ingot_model::{Activations, Head, KvCache, Model, StepBuffers};
+use std::sync::{mpsc, Arc};
 
 /// One step on the host: a flattened batch of sequences. Sequence `s` contributes token
 /// rows `query_start_loc[s]..query_start_loc[s+1]`, which are the last tokens of its
@@ -62,6 +63,28 @@ pub struct ModelRunner<B: Backend> {
     num_sampled: usize,
     /// Decode batch sizes that have run once, so their next step may be recorded.
     warm_buckets: Vec<usize>,
+    /// The other ranks of a tensor-parallel group, which run every step beside this one.
+    peers: Vec<Peer>,
+}
+
+/// A tensor-parallel rank other than the first: a runner of its own (computing the layers
+/// only) on a thread of its own, given each step this one runs.
+struct Peer {
+    rank: usize,
+    steps: Option<mpsc::Sender<Arc<StepInput>>>,
+    /// Each step's outcome on the peer: queued on its device, or its error.
+    submitted: mpsc::Receiver<Result<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        // Closing the channel ends the peer's loop.
+        self.steps = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 const SAMPLE_ROW_WORDS: usize = size_of::<SampleRow>() / 4;
@@ -69,6 +92,53 @@ const EDIT_WORDS: usize = size_of::<LogitEdit>() / 4;
 
 fn upload_u32<B: Backend>(b: &B, buf: &mut B::Buffer, v: &[u32]) -> Result<()> {
     b.upload(buf, bytemuck::cast_slice(v))
+}
+
+impl<B: Backend + 'static> ModelRunner<B> {
+    /// The first rank of a tensor-parallel group whose other ranks run `peers`' models:
+    /// each gets a runner of `config` computing the layers only, on its own thread.
+    pub fn with_peers(
+        backend: B,
+        model: Model<B>,
+        peers: Vec<(B, Model<B>)>,
+        config: RunnerConfig,
+    ) -> Result<Self> {
+        let mut runner = Self::new(backend, model, config)?;
+        for (backend, model) in peers {
+            let rank = model.collective.as_ref().map_or(0, |c| c.rank());
+            let peer = ModelRunner::new(
+                backend,
+                model,
+                RunnerConfig {
+                    head: Head::Layers,
+                    ..config
+                },
+            )?;
+            let (steps, inbox) = mpsc::channel::<Arc<StepInput>>();
+            let (outcome, submitted) = mpsc::channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("rank {rank}"))
+                .spawn(move || {
+                    let mut peer = peer;
+                    for input in inbox {
+                        let r = peer.submit(&input);
+                        if let (Err(e), Some(c)) = (&r, &peer.model.collective) {
+                            c.abort(&format!("{e:#}"));
+                        }
+                        if outcome.send(r).is_err() {
+                            break;
+                        }
+                    }
+                })?;
+            runner.peers.push(Peer {
+                rank,
+                steps: Some(steps),
+                submitted,
+                thread: Some(thread),
+            });
+        }
+        Ok(runner)
+    }
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -150,6 +220,7 @@ impl<B: Backend> ModelRunner<B> {
             mask_rows_capacity,
             num_sampled: 0,
             warm_buckets: vec![],
+            peers: vec![],
         })
     }
 
@@ -305,7 +376,7 @@ impl<B: Backend> ModelRunner<B> {
                 .iter()
                 .enumerate()
                 .all(|(i, &r)| r as usize == i);
-        let recorded = !self.config.enforce_eager && self.config.head == Head::Logits;
+        let recorded = !self.config.enforce_eager && !matches!(self.config.head, Head::Pool(_));
         if !recorded || !decode_only || !self.backend.records_steps() {
             return None;
         }
@@ -320,6 +391,47 @@ impl<B: Backend> ModelRunner<B> {
     /// `greedy`. The download of its results waits for it.
     pub fn submit(&mut self, input: &StepInput) -> Result<()> {
         self.validate(input)?;
+        if self.peers.is_empty() {
+            return self.submit_valid(input);
+        }
+        let shared = Arc::new(input.clone());
+        for p in &self.peers {
+            let sent = p.steps.as_ref().map(|s| s.send(shared.clone()));
+            ensure!(
+                matches!(sent, Some(Ok(()))),
+                "tensor-parallel rank {} has stopped",
+                p.rank
+            );
+        }
+        let mine = self.submit_valid(input);
+        if let (Err(e), Some(c)) = (&mine, &self.model.collective) {
+            c.abort(&format!("{e:#}"));
+        }
+        // Every peer answers before the next step is sent, so that an error is this
+        // step's.
+        let mut first_error = mine.err();
+        for p in &self.peers {
+            let outcome = p.submitted.recv().unwrap_or_else(|_| {
+                Err(anyhow::anyhow!(
+                    "tensor-parallel rank {} has stopped",
+                    p.rank
+                ))
+            });
+            if let Err(e) = outcome {
+                first_error.get_or_insert(e.context(format!("tensor-parallel rank {}", p.rank)));
+            }
+        }
+        if let Some(why) = self.model.collective.as_ref().and_then(|c| c.failure()) {
+            first_error.get_or_insert(anyhow::anyhow!("tensor-parallel group stopped: {why}"));
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// [`ModelRunner::submit`] of a validated step on this rank alone.
+    fn submit_valid(&mut self, input: &StepInput) -> Result<()> {
         let bucket = self.graph_bucket(input);
         let (s, n) = (input.seq_lens.len(), input.token_ids.len());
         // Decode steps pad to their bucket with one-token sequences whose key and value are

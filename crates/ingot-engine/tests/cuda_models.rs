@@ -32,6 +32,27 @@ fn synthetic_models_match_the_cpu() {
     );
 }
 
+fn gpus(n: usize) -> Vec<CudaBackend> {
+    (0..n)
+        .map(|i| CudaBackend::new(i).unwrap_or_else(|e| panic!("this test needs {n} GPUs: {e:#}")))
+        .collect()
+}
+
+/// Needs `INGOT_TP_GPUS` GPUs (2 unless set) and NCCL (`libnccl.so.2` on the loader's
+/// path or in `INGOT_CUDA_LIB_DIR`).
+#[test]
+#[ignore = "needs several NVIDIA GPUs"]
+fn tensor_parallel_matches_one_gpu() {
+    use ingot_model::Arch;
+    let size = std::env::var("INGOT_TP_GPUS").map_or(2, |v| v.parse().unwrap());
+    common::tensor_parallel_matches_one_device(
+        gpus,
+        size,
+        &[Arch::Llama, Arch::Qwen2, Arch::Qwen3],
+        1e-5,
+    );
+}
+
 fn real_runner(dtype: WeightDType) -> ingot_engine::ModelRunner<CudaBackend> {
     let path = test_model_path().expect("the test model (INGOT_TEST_MODEL)");
     common::runner_on(gpu(), &path, dtype, 256, 1, 2048, 2048 / 16)

@@ -6,8 +6,9 @@ use crate::pooling::PoolingType;
 use crate::weights::{MlpBuffers, Weights};
 use anyhow::Result;
 use ingot_backend::{
-    AttentionMetadata, Backend, CacheLayout, DType, MlpScratch, QkvLayout, RopeKvWrite,
+    AttentionMetadata, Backend, CacheLayout, Collective, DType, MlpScratch, QkvLayout, RopeKvWrite,
 };
+use std::sync::Arc;
 
 /// The per-step inputs on the device. Sequence `s` owns token rows
 /// `query_start_loc[s]..query_start_loc[s+1]`; `logits_indices` picks the rows whose next
@@ -35,6 +36,9 @@ pub enum Head {
     /// Last-token and CLS pooling take the final-normed rows in `logits_indices`; mean
     /// pooling sums each sequence's final-normed rows of the step.
     Pool(PoolingType),
+    /// Only the layers: a tensor-parallel rank other than the first, which computes the
+    /// head from the same residual stream.
+    Layers,
 }
 
 /// Every intermediate of a step, sized once from the token budget: in the model's
@@ -63,11 +67,13 @@ pub struct Activations<B: Backend> {
 }
 
 impl<B: Backend> Activations<B> {
-    /// Where a step with `head` left its rows: logits, or pooled `[rows, hidden]` (in the
-    /// activation dtype for last-token and CLS pooling, f32 sums for mean pooling).
+    /// Where a step with `head` left its rows: logits, pooled `[rows, hidden]` (in the
+    /// activation dtype for last-token and CLS pooling, f32 sums for mean pooling), or the
+    /// residual stream of every token after the layers.
     pub fn output(&self, head: Head) -> &B::Buffer {
         match head {
             Head::Logits => &self.logits,
+            Head::Layers => &self.hidden,
             Head::Pool(PoolingType::Mean) => &self.sums,
             Head::Pool(_) => &self.last_normed,
         }
@@ -206,11 +212,21 @@ impl<B: Backend> KvCache<B> {
 }
 
 pub struct Model<B: Backend> {
+    /// The shapes this device runs: the whole model's, or a tensor-parallel rank's share.
     pub config: ModelConfig,
     pub weights: Weights<B>,
+    /// The tensor-parallel group this rank's partial sums are added across.
+    pub collective: Option<Arc<dyn Collective<B>>>,
 }
 
 impl<B: Backend> Model<B> {
+    /// Completes a rank's partial output product: the sum over the group, in place.
+    fn all_reduce(&self, b: &B, partial: &mut B::Buffer, numel: usize) {
+        if let Some(c) = &self.collective {
+            c.all_reduce_sum(b, partial, self.weights.activation_dtype, numel);
+        }
+    }
+
     /// Runs one step and leaves `head`'s rows in [`Activations::output`]: the logits of the
     /// `num_logits` selected rows as `[num_logits, vocab_size]`, or pooled rows.
     pub fn forward(
@@ -315,6 +331,7 @@ impl<B: Backend> Model<B> {
                 continue;
             }
             layer.o.forward(b, &a.attn, t, &mut a.proj);
+            self.all_reduce(b, &mut a.proj, t * d);
             let ffn_norm = &layer.ffn_norm;
             b.add_rms_norm(&mut a.hidden, &a.proj, ffn_norm, eps, t, d, &mut a.normed);
             let bufs = MlpBuffers {
@@ -325,6 +342,7 @@ impl<B: Backend> Model<B> {
                 moe: a.moe.as_mut(),
             };
             layer.mlp(b, &a.normed, t, bufs, &mut a.proj);
+            self.all_reduce(b, &mut a.proj, t * d);
             match w.layers.get(i + 1) {
                 Some(next) => {
                     let norm = &next.attn_norm;
@@ -332,6 +350,9 @@ impl<B: Backend> Model<B> {
                 }
                 None => b.add_assign(&mut a.hidden, &a.proj, t * d),
             }
+        }
+        if head == Head::Layers {
+            return;
         }
         if head == Head::Pool(PoolingType::Mean) {
             b.rms_norm(&a.hidden, &w.final_norm, eps, t, d, &mut a.normed);

@@ -4,6 +4,7 @@
 use crate::checkpoint::{Checkpoint, HostTensor, Role};
 use crate::config::ModelConfig;
 use crate::moe::{MoeBuffers, MoeWeights};
+use crate::tensor_parallel::TpRank;
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -359,7 +360,10 @@ pub struct Weights<B: Backend> {
 struct Loader<'a, B: Backend> {
     b: &'a B,
     ckpt: &'a Checkpoint,
-    cfg: &'a ModelConfig,
+    /// The whole model's config, which names and shapes the checkpoint's tensors (a
+    /// tensor-parallel rank's are cut from them).
+    full: &'a ModelConfig,
+    tp: TpRank,
     dtype: WeightDType,
     activation: DType,
     bytes: usize,
@@ -424,11 +428,11 @@ fn convert_into(t: &HostTensor<'_>, target: DType, scale: Option<&[f32]>, out: &
 
 impl<'a, B: Backend> Loader<'a, B> {
     fn get(&self, role: Role, layer: usize) -> Result<Option<HostTensor<'a>>> {
-        let t = self.ckpt.tensor(role, layer, self.cfg)?;
-        if t.is_some() {
-            self.progress.inc(1);
-        }
-        Ok(t)
+        let Some(t) = self.ckpt.tensor(role, layer, self.full)? else {
+            return Ok(None);
+        };
+        self.progress.inc(1);
+        Ok(Some(self.tp.split(role, t, self.full)?))
     }
 
     fn require(&self, role: Role, layer: usize) -> Result<HostTensor<'a>> {
@@ -624,40 +628,58 @@ impl<B: Backend> Weights<B> {
         cfg: &ModelConfig,
         dtype: WeightDType,
     ) -> Result<Weights<B>> {
+        Self::load_shard(b, ckpt, cfg, TpRank::SINGLE, dtype)
+    }
+
+    /// Rank `tp`'s share of the weights of the model `full` ([`crate::tensor_parallel`]):
+    /// only that share is converted and placed on `b`.
+    pub fn load_shard(
+        b: &B,
+        ckpt: &Checkpoint,
+        full: &ModelConfig,
+        tp: TpRank,
+        dtype: WeightDType,
+    ) -> Result<Weights<B>> {
         let available = b
             .runs_on_host_cpu()
             .then_some(host_available_memory as fn() -> Option<usize>);
-        Self::load_within(b, ckpt, cfg, dtype, available)
+        Self::load_within(b, ckpt, full, tp, dtype, available)
     }
 
-    /// [`Weights::load`], asking `available` for the memory left before each tensor is
-    /// placed, where the backend's buffers are host memory.
+    /// [`Weights::load_shard`], asking `available` for the memory left before each tensor
+    /// is placed, where the backend's buffers are host memory.
     fn load_within(
         b: &B,
         ckpt: &Checkpoint,
-        cfg: &ModelConfig,
+        full: &ModelConfig,
+        tp: TpRank,
         dtype: WeightDType,
         available: Option<fn() -> Option<usize>>,
     ) -> Result<Weights<B>> {
+        let local = tp.shard_config(full)?;
+        let cfg = &local;
         let progress = ProgressBar::new(ckpt.tensor_count() as u64).with_style(
             ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors")
                 .expect("valid template"),
         );
         // The first layer's query projection stands for the checkpoint's matrix dtype.
         let q0 = ckpt
-            .tensor(Role::Q, 0, cfg)?
+            .tensor(Role::Q, 0, full)?
             .with_context(|| format!("{}: missing weight Q of layer 0", ckpt.path().display()))?;
         let activation = b.activation_dtype(dtype.apply(q0.dtype));
         // Folding norms needs float matrices (the first query projection's dtype stands
-        // for them).
-        let fold = b.folds_norm_weights()
+        // for them); a tensor-parallel rank runs the unfused path, whose residual adds take
+        // the all-reduced sums.
+        let fold = tp.size == 1
+            && b.folds_norm_weights()
             && b.weight_dtype(dtype.apply(q0.dtype), activation)
                 .block_len()
                 == 1;
         let mut l = Loader {
             b,
             ckpt,
-            cfg,
+            full,
+            tp,
             dtype,
             activation,
             bytes: 0,
@@ -823,7 +845,16 @@ mod tests {
         let ckpt = Checkpoint::open(&dir).unwrap();
         let cfg = ckpt.config().unwrap();
         let b = ingot_backend::cpu::CpuBackend::new(Some(1)).unwrap();
-        let load = |available| Weights::load_within(&b, &ckpt, &cfg, WeightDType::Auto, available);
+        let load = |available| {
+            Weights::load_within(
+                &b,
+                &ckpt,
+                &cfg,
+                TpRank::SINGLE,
+                WeightDType::Auto,
+                available,
+            )
+        };
         let little: fn() -> Option<usize> = || Some(HOST_HEADROOM + 1000);
         let e = load(Some(little)).err().expect("no room").to_string();
         assert!(e.contains("do not fit in this machine's memory"), "{e}");

@@ -99,13 +99,33 @@ pub struct ModelArgs {
     /// of the model's: with `--load-format dummy`, real text at a model's shapes.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Split the model's heads and MLP over this many devices, `cuda:N` and the ones after
+    /// it; on the CPU the ranks share the threads, which tests the split without GPUs.
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
 }
 
-/// Work that runs on whichever backend `--device` picked.
+/// Work that runs on whichever backend `--device` picked: on `devices`, one device or a
+/// tensor-parallel group's in rank order.
 pub trait OnBackend {
     type Output;
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<Self::Output>;
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<Self::Output>;
 }
+
+/// What the run is on: the device's name, and the group's size where the model is split.
+pub fn devices_name<B: Backend>(devices: &[B]) -> String {
+    match devices {
+        [one] => one.name(),
+        _ => format!(
+            "{} x {} (tensor parallel)",
+            devices[0].name(),
+            devices.len()
+        ),
+    }
+}
+
+/// A model loaded on its devices: each rank's backend and share, the first rank's first.
+pub type Ranks<B> = Vec<(B, Model<B>)>;
 
 #[cfg(feature = "cuda")]
 fn cuda_count() -> usize {
@@ -126,16 +146,36 @@ impl ModelArgs {
             d => d,
         };
         tracing::info!("device: {device:?} (asked for {:?})", self.device);
+        let size = self.tensor_parallel_size;
+        if size == 0 {
+            bail!("--tensor-parallel-size must be at least 1");
+        }
         match device {
             Device::Cuda(n) => self.on_cuda(n, job),
+            Device::Wgpu(_) if size > 1 => {
+                bail!("--tensor-parallel-size {size}: tensor parallelism runs on CUDA and the CPU, not on wgpu")
+            }
             Device::Wgpu(n) => self.on_wgpu(n, job),
-            _ => job.run(CpuBackend::new(self.threads)?),
+            _ => {
+                // Ranks run at once, so they split the cores rather than each taking all.
+                let threads = self
+                    .threads
+                    .unwrap_or_else(ingot_backend::cpu::default_threads)
+                    .div_ceil(size);
+                let devices = (0..size)
+                    .map(|_| CpuBackend::new(Some(threads)))
+                    .collect::<Result<_>>()?;
+                job.run(devices)
+            }
         }
     }
 
     #[cfg(feature = "cuda")]
-    fn on_cuda<J: OnBackend>(&self, ordinal: usize, job: J) -> Result<J::Output> {
-        job.run(ingot_backend::cuda::CudaBackend::new(ordinal)?)
+    fn on_cuda<J: OnBackend>(&self, first: usize, job: J) -> Result<J::Output> {
+        let devices = (first..first + self.tensor_parallel_size)
+            .map(ingot_backend::cuda::CudaBackend::new)
+            .collect::<Result<_>>()?;
+        job.run(devices)
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -146,7 +186,7 @@ impl ModelArgs {
     #[cfg(feature = "wgpu")]
     fn on_wgpu<J: OnBackend>(&self, ordinal: usize, job: J) -> Result<J::Output> {
         use ingot_backend::wgpu::{Options, WgpuBackend};
-        job.run(WgpuBackend::new(ordinal, Options::from_env()?)?)
+        job.run(vec![WgpuBackend::new(ordinal, Options::from_env()?)?])
     }
 
     #[cfg(not(feature = "wgpu"))]
@@ -222,23 +262,26 @@ impl ModelArgs {
         Ok(Some(pooling))
     }
 
-    /// Loads the model onto `backend`.
-    pub fn load<B: Backend>(&self, backend: &B) -> Result<(Model<B>, Tokenizer)> {
+    /// Loads the model onto `devices` (a tensor-parallel group's, each rank's share).
+    pub fn load<B: Backend + 'static>(&self, devices: Vec<B>) -> Result<(Ranks<B>, Tokenizer)> {
         let ckpt = self.checkpoint()?;
+        // The weights first: a checkpoint's config errors (an unsupported architecture)
+        // say more than a missing tokenizer would.
+        let ranks = ingot_model::load_tensor_parallel(devices, &ckpt, self.dtype)?;
         let Some(path) = &self.tokenizer else {
-            return ingot_model::load_checkpoint(backend, &ckpt, self.dtype);
+            return Ok((ranks, Tokenizer::from_checkpoint(&ckpt)?));
         };
         let tokenizer = Tokenizer::open(path)?;
-        let model = ingot_model::load_model(backend, &ckpt, self.dtype)?;
-        if tokenizer.vocab_size() > model.config.vocab_size {
+        let vocab = ranks[0].1.config.vocab_size;
+        if tokenizer.vocab_size() > vocab {
             bail!(
                 "the tokenizer of {} has {} tokens, more than the model's vocabulary of {}",
                 path.display(),
                 tokenizer.vocab_size(),
-                model.config.vocab_size
+                vocab
             );
         }
         tracing::info!("tokenizer from {}", path.display());
-        Ok((model, tokenizer))
+        Ok((ranks, tokenizer))
     }
 }

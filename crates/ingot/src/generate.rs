@@ -138,14 +138,14 @@ pub fn run(args: Args) -> Result<()> {
 
 impl OnBackend for Args {
     type Output = ();
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
-        generate(self, backend)
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<()> {
+        generate(self, devices)
     }
 }
 
-fn generate<B: Backend>(args: Args, backend: B) -> Result<()> {
+fn generate<B: Backend + 'static>(args: Args, devices: Vec<B>) -> Result<()> {
     let texts = read_prompts(&args)?;
-    let (model, tokenizer) = args.model.load(&backend)?;
+    let (ranks, tokenizer) = args.model.load(devices)?;
     let tokenizer = Arc::new(tokenizer);
     let prompts = texts
         .into_iter()
@@ -173,7 +173,7 @@ fn generate<B: Backend>(args: Args, backend: B) -> Result<()> {
         n: args.n,
         ..Default::default()
     };
-    let mut engine = Engine::new(backend, model, tokenizer, args.engine.config())?;
+    let mut engine = Engine::with_ranks(ranks, tokenizer, args.engine.config())?;
     let params = vec![params; prompts.len()];
     let outputs = engine.generate(prompts, &params)?;
     let stats = engine.stats();

@@ -50,6 +50,11 @@ fn main() {
         // SAFETY: sets a global option of the allocator; no other thread runs yet.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
     }
+    // NCCL's multicast over NVLink (NVLS) reserves fabric memory on the host's switches;
+    // tensor-parallel groups here do without it unless the environment asks for it.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

@@ -84,14 +84,14 @@ struct StartEngine {
 
 impl OnBackend for StartEngine {
     type Output = EngineHandle;
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<EngineHandle> {
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<EngineHandle> {
         let pooling = self.model.pooling(&self.task)?;
-        let (model, tokenizer) = self.model.load(&backend)?;
+        let (ranks, tokenizer) = self.model.load(devices)?;
         let config = EngineConfig {
             pooling,
             ..self.config
         };
-        let engine = Engine::new(backend, model, Arc::new(tokenizer), config)?;
+        let engine = Engine::with_ranks(ranks, Arc::new(tokenizer), config)?;
         Ok(EngineHandle::spawn(engine))
     }
 }

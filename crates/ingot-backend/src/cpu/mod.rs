@@ -5,6 +5,7 @@
 mod attention;
 mod attention16;
 mod buffer;
+mod collective;
 mod matmul;
 pub mod moe;
 mod profile;
@@ -12,7 +13,9 @@ mod team;
 mod topology;
 
 pub use buffer::CpuBuffer;
+pub use collective::{HostGroup, HostRank};
 pub use matmul::GEMV_MAX_ROWS;
+pub use topology::default_threads;
 
 use crate::quant::dequantize_row;
 use crate::{
@@ -159,6 +162,16 @@ impl Backend for CpuBackend {
 
     fn runs_on_host_cpu(&self) -> bool {
         true
+    }
+
+    /// Ranks meet in host memory ([`HostGroup`]).
+    fn tensor_parallel_group(
+        devices: &[Self],
+    ) -> anyhow::Result<Vec<std::sync::Arc<dyn crate::Collective<Self>>>> {
+        Ok(HostGroup::ranks(devices.len())
+            .into_iter()
+            .map(|r| std::sync::Arc::new(r) as std::sync::Arc<dyn crate::Collective<Self>>)
+            .collect())
     }
 
     /// f32 models keep an f32 cache (exact, batch-invariant runs); a quantized or 16-bit

@@ -12,6 +12,9 @@ use std::path::{Path, PathBuf};
 pub const NVRTC: [&str; 2] = ["libnvrtc-builtins.so.13.0", "libnvrtc.so.13"];
 /// cuBLASLt and the cuBLAS it depends on.
 pub const CUBLAS: [&str; 2] = ["libcublas.so.13", "libcublasLt.so.13"];
+/// NCCL, for tensor parallelism (its Python wheel `nvidia-nccl-cu13` ships it in
+/// `nvidia/nccl/lib`).
+pub const NCCL: [&str; 1] = ["libnccl.so.2"];
 
 /// Directories searched beside the loader's own path, most specific first.
 pub fn search_dirs() -> Vec<PathBuf> {

@@ -10,6 +10,7 @@
 mod gemm;
 mod library;
 mod module;
+mod nccl;
 mod tma_product;
 
 pub use library::search_dirs;
@@ -763,6 +764,11 @@ impl Backend for CudaBackend {
     fn memory_info(&self) -> Option<MemoryInfo> {
         let (free, total) = self.ctx.mem_get_info().ok()?;
         Some(MemoryInfo { free, total })
+    }
+
+    /// GPUs of one process joined by NCCL ([`nccl`]).
+    fn tensor_parallel_group(devices: &[Self]) -> Result<Vec<Arc<dyn crate::Collective<Self>>>> {
+        nccl::group(devices)
     }
 
     fn alloc(&self, dtype: DType, numel: usize) -> Result<CudaBuffer> {

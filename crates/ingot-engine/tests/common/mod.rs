@@ -653,3 +653,69 @@ pub fn embeddings_match_transformers<B: Backend + 'static>(
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A runner over a tensor-parallel group of `devices` (rank order) with the checkpoint in
+/// `dir` split across them; one device runs the whole model.
+pub fn tensor_parallel_runner<B: Backend + 'static>(
+    devices: Vec<B>,
+    dir: &Path,
+    dtype: WeightDType,
+) -> ModelRunner<B> {
+    let ckpt = ingot_model::Checkpoint::open(dir).unwrap();
+    let mut ranks = ingot_model::load_tensor_parallel(devices, &ckpt, dtype)
+        .unwrap()
+        .into_iter();
+    let (backend, model) = ranks.next().unwrap();
+    let config = RunnerConfig {
+        max_num_batched_tokens: 24,
+        max_num_seqs: 4,
+        max_model_len: 512,
+        block_size: 16,
+        num_blocks: 64,
+        kv_cache_dtype: model.weights.activation_dtype,
+        enforce_eager: false,
+        head: ingot_model::Head::Logits,
+    };
+    ModelRunner::with_peers(backend, model, ranks.collect(), config).unwrap()
+}
+
+/// Each synthetic f32 model of `archs` split over `open(size)`'s devices gives the logits
+/// (within `tol` of the largest) and greedy tokens of the whole model on `open(1)`'s,
+/// over mixed prefill and decode steps.
+pub fn tensor_parallel_matches_one_device<B: Backend + 'static>(
+    open: impl Fn(usize) -> Vec<B>,
+    size: usize,
+    archs: &[ingot_model::Arch],
+    tol: f32,
+) {
+    use ingot_model::synthetic::SyntheticSpec;
+    for &arch in archs {
+        let spec = SyntheticSpec::tiny(arch);
+        let dir = std::env::temp_dir().join(format!("ingot-tp-{arch:?}-{}", std::process::id()));
+        spec.write(&dir).unwrap();
+        let seqs = random_seqs(5, &[1, 15, 17, 40], spec.vocab_size);
+        let mut whole = tensor_parallel_runner(open(1), &dir, WeightDType::F32);
+        let whole = run_mixed(&mut whole, &seqs, 3);
+        let mut split = tensor_parallel_runner(open(size), &dir, WeightDType::F32);
+        let split = run_mixed(&mut split, &seqs, 3);
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(whole.len(), split.len());
+        let mut worst = 0f32;
+        for (w, s) in whole.iter().zip(&split) {
+            assert_eq!((w.seq, w.pos), (s.seq, s.pos), "the same schedule");
+            let err = rel_err(&s.logits, &w.logits);
+            worst = worst.max(err);
+            let at = format!("{arch:?} over {size} ranks: seq {} pos {}", w.seq, w.pos);
+            assert!(err <= tol, "{at}: relative logit error {err}");
+            assert_eq!(
+                ingot_backend::first_argmax(&s.logits),
+                ingot_backend::first_argmax(&w.logits),
+                "{at}: greedy token"
+            );
+        }
+        println!(
+            "{arch:?} over {size} ranks: {} logit rows, max relative error {worst:.2e}",
+            whole.len()
+        );
+    }
+}

@@ -3,7 +3,7 @@
 //! from submission to the last vector: inputs/s and prompt tokens/s.
 
 use super::{print_text, summary};
-use crate::device::{ModelArgs, OnBackend, Task, TaskArgs};
+use crate::device::{devices_name, ModelArgs, OnBackend, Task, TaskArgs};
 use crate::generate::{EngineArgs, Format};
 use anyhow::{ensure, Result};
 use ingot_backend::Backend;
@@ -38,28 +38,28 @@ pub struct EmbedArgs {
 
 impl OnBackend for EmbedArgs {
     type Output = ();
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
-        embed(self, backend)
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<()> {
+        embed(self, devices)
     }
 }
 
-fn embed<B: Backend>(args: EmbedArgs, backend: B) -> Result<()> {
+fn embed<B: Backend + 'static>(args: EmbedArgs, devices: Vec<B>) -> Result<()> {
     ensure!(
         args.num_inputs > 0 && args.input_len > 0 && args.iters > 0,
         "--num-inputs, --input-len and --iters must be at least 1"
     );
-    let device = backend.name();
+    let device = devices_name(&devices);
     let pooling = args.model.pooling(&TaskArgs {
         task: Task::Embed,
         hf_overrides: None,
     })?;
-    let (model, tokenizer) = args.model.load(&backend)?;
-    let vocab = model.config.vocab_size as u32;
+    let (ranks, tokenizer) = args.model.load(devices)?;
+    let vocab = ranks[0].1.config.vocab_size as u32;
     let config = EngineConfig {
         pooling,
         ..args.engine.config()
     };
-    let mut engine = Engine::new(backend, model, Arc::new(tokenizer), config)?;
+    let mut engine = Engine::with_ranks(ranks, Arc::new(tokenizer), config)?;
     let mut rng = StdRng::seed_from_u64(0);
     let (mut inputs_s, mut tokens_s) = (vec![], vec![]);
     let progress = super::progress(args.warmup + args.iters, "batches", args.format);

@@ -5,7 +5,7 @@
 //! that ran decodes only.
 
 use super::{ms, print_text, summary};
-use crate::device::{ModelArgs, OnBackend};
+use crate::device::{devices_name, ModelArgs, OnBackend};
 use crate::generate::{EngineArgs, Format};
 use anyhow::{ensure, Result};
 use ingot_backend::Backend;
@@ -69,8 +69,8 @@ pub(crate) struct Iteration {
 
 impl OnBackend for LatencyArgs {
     type Output = ();
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
-        latency(self, backend)
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<()> {
+        latency(self, devices)
     }
 }
 
@@ -131,7 +131,7 @@ pub(crate) fn timed_batch<B: Backend>(
     })
 }
 
-fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
+fn latency<B: Backend + 'static>(args: LatencyArgs, devices: Vec<B>) -> Result<()> {
     ensure!(
         args.batch_size > 0 && args.input_len > 0 && args.output_len > 0 && args.iters > 0,
         "--batch-size, --input-len, --output-len and --iters must be at least 1"
@@ -140,15 +140,15 @@ fn latency<B: Backend>(args: LatencyArgs, backend: B) -> Result<()> {
         !args.profile_ops || args.engine.enforce_eager,
         "--profile-ops times ops one by one: add --enforce-eager"
     );
-    let device = backend.name();
-    let (model, tokenizer) = args.model.load(&backend)?;
-    let vocab = model.config.vocab_size as u32;
+    let device = devices_name(&devices);
+    let (ranks, tokenizer) = args.model.load(devices)?;
+    let vocab = ranks[0].1.config.vocab_size as u32;
     let mut config = args.engine.config();
     // The batch runs as one, also where it has more rows than the default sequences.
     config
         .max_num_seqs
-        .get_or_insert(default_max_num_seqs(&backend).max(args.batch_size));
-    let mut engine = Engine::new(backend, model, Arc::new(tokenizer), config)?;
+        .get_or_insert(default_max_num_seqs(&ranks[0].0).max(args.batch_size));
+    let mut engine = Engine::with_ranks(ranks, Arc::new(tokenizer), config)?;
     let mut rng = StdRng::seed_from_u64(0);
     let params = SamplingParams {
         ignore_eos: true,

@@ -4,7 +4,7 @@
 //! time to first token and end-to-end latency from the start of the run.
 
 use super::{ms, print_text, summary, RandomDataset};
-use crate::device::{ModelArgs, OnBackend};
+use crate::device::{devices_name, ModelArgs, OnBackend};
 use crate::generate::{EngineArgs, Format};
 use anyhow::Result;
 use ingot_backend::Backend;
@@ -40,8 +40,8 @@ pub struct ThroughputArgs {
 
 impl OnBackend for ThroughputArgs {
     type Output = ();
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<()> {
-        throughput(self, backend)
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<()> {
+        throughput(self, devices)
     }
 }
 
@@ -67,12 +67,12 @@ fn requests(
         .unzip()
 }
 
-fn throughput<B: Backend>(args: ThroughputArgs, backend: B) -> Result<()> {
+fn throughput<B: Backend + 'static>(args: ThroughputArgs, devices: Vec<B>) -> Result<()> {
     args.dataset.check()?;
-    let device = backend.name();
-    let (model, tokenizer) = args.model.load(&backend)?;
-    let vocab = model.config.vocab_size as u32;
-    let mut engine = Engine::new(backend, model, Arc::new(tokenizer), args.engine.config())?;
+    let device = devices_name(&devices);
+    let (ranks, tokenizer) = args.model.load(devices)?;
+    let vocab = ranks[0].1.config.vocab_size as u32;
+    let mut engine = Engine::with_ranks(ranks, Arc::new(tokenizer), args.engine.config())?;
     let mut rng = StdRng::seed_from_u64(args.seed);
     if args.warmup > 0 {
         let (prompts, params) = requests(&args, &mut rng, vocab, args.warmup);

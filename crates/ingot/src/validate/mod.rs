@@ -8,7 +8,7 @@ mod http;
 mod offline;
 mod report;
 
-use crate::device::{ModelArgs, OnBackend};
+use crate::device::{devices_name, ModelArgs, OnBackend};
 use crate::generate::{EngineArgs, Format};
 use anyhow::{bail, Context, Result};
 use indicatif::ProgressBar;
@@ -114,20 +114,15 @@ struct Numerics<'a> {
 
 impl OnBackend for Numerics<'_> {
     type Output = Section;
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<Section> {
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<Section> {
         let fixtures =
             offline::find_fixtures(self.args.fixtures.as_deref(), &self.args.model.model)?;
         Ok(section(4, offline::NUMERICS, self.progress, || {
             let Some(fixtures) = fixtures else {
                 return Ok(offline::no_fixtures(&self.args.model.model));
             };
-            let (model, tokenizer) = self.model.load(&backend)?;
-            let engine = Engine::new(
-                backend,
-                model,
-                Arc::new(tokenizer),
-                self.args.engine.config(),
-            )?;
+            let (ranks, tokenizer) = self.model.load(devices)?;
+            let engine = Engine::with_ranks(ranks, Arc::new(tokenizer), self.args.engine.config())?;
             offline::numerics(engine, &fixtures)
         }))
     }
@@ -143,16 +138,16 @@ struct Suite<'a> {
 
 impl OnBackend for Suite<'_> {
     type Output = (String, Vec<Section>);
-    fn run<B: Backend + 'static>(self, backend: B) -> Result<(String, Vec<Section>)> {
-        let device = backend.name();
+    fn run<B: Backend + 'static>(self, devices: Vec<B>) -> Result<(String, Vec<Section>)> {
+        let device = devices_name(&devices);
         // The CPU computes a row of an f32 model the same whatever else is in the batch;
         // quantized weights take a dot-product path for a few rows and a dequantizing GEMM
         // for many, which round differently.
         let exact = device.starts_with("cpu") && self.args.model.dtype == WeightDType::F32;
-        let (model, tokenizer) = self.args.model.load(&backend)?;
+        let (ranks, tokenizer) = self.args.model.load(devices)?;
         let mut config = self.args.engine.config();
-        let model_len = model.config.max_position_embeddings;
-        let vocab = model.config.vocab_size as u32;
+        let model_len = ranks[0].1.config.max_position_embeddings;
+        let vocab = ranks[0].1.config.vocab_size as u32;
         config.max_model_len = Some(
             config
                 .max_model_len
@@ -160,7 +155,7 @@ impl OnBackend for Suite<'_> {
                 .min(self.plan.context_cap),
         );
         let tokenizer = Arc::new(tokenizer);
-        let mut engine = Engine::new(backend, model, tokenizer.clone(), config)?;
+        let mut engine = Engine::with_ranks(ranks, tokenizer.clone(), config)?;
         let mut t = offline::Tester::new(&mut engine, self.plan, exact, vocab);
         let (p, pr) = (self.plan, self.progress);
         let mut sections = vec![

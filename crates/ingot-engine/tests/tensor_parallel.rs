@@ -1,0 +1,57 @@
+//! Tensor parallelism on CPU ranks ([`ingot_backend::cpu::HostGroup`]): a model split over
+//! 2 ranks gives the logits and tokens of the whole model on one device.
+
+mod common;
+
+use ingot_backend::cpu::CpuBackend;
+use ingot_engine::StepInput;
+use ingot_model::synthetic::SyntheticSpec;
+use ingot_model::{Arch, WeightDType};
+
+fn cpus(n: usize) -> Vec<CpuBackend> {
+    (0..n).map(|_| CpuBackend::new(Some(1)).unwrap()).collect()
+}
+
+/// Llama's plain heads, Qwen2's q/k/v biases (split with their heads) and Qwen3's q/k
+/// norms (run on each rank's heads).
+#[test]
+fn models_split_over_two_ranks_equal_one_device() {
+    common::tensor_parallel_matches_one_device(
+        cpus,
+        2,
+        &[Arch::Llama, Arch::Qwen2, Arch::Qwen3],
+        1e-5,
+    );
+}
+
+/// A rank that fails aborts its group (as a peer's runner does with its error): the other
+/// ranks' collectives return instead of waiting for it, and the step fails with the cause.
+#[test]
+fn an_aborted_group_fails_the_step_with_the_cause_instead_of_hanging() {
+    let spec = SyntheticSpec::tiny(Arch::Llama);
+    let dir = std::env::temp_dir().join(format!("ingot-tp-abort-{}", std::process::id()));
+    spec.write(&dir).unwrap();
+    let mut r = common::tensor_parallel_runner(cpus(2), &dir, WeightDType::F32);
+    std::fs::remove_dir_all(&dir).ok();
+    let prompt = StepInput {
+        token_ids: vec![5, 7, 9],
+        positions: vec![0, 1, 2],
+        slot_mapping: vec![0, 1, 2],
+        query_start_loc: vec![0, 3],
+        seq_lens: vec![3],
+        block_tables: vec![0],
+        max_blocks_per_seq: 1,
+        logits_indices: vec![2],
+    };
+    assert_eq!(r.execute(&prompt).unwrap().len(), spec.vocab_size);
+    r.model
+        .collective
+        .as_ref()
+        .unwrap()
+        .abort("injected failure");
+    let err = r.execute(&prompt).unwrap_err();
+    assert_eq!(
+        format!("{err:#}"),
+        "tensor-parallel group stopped: rank 0: injected failure"
+    );
+}

@@ -1,0 +1,217 @@
+//! Tensor parallelism (Megatron-style): which slice of each weight a rank holds, and the
+//! shape of the model each rank runs.
+//!
+//! The q/k/v and gate/up products are split by output rows (whole heads, whole MLP
+//! columns), so attention and the activation run on a rank's own slice; the o and down
+//! products are split by input columns, so each rank's output is a partial sum that one
+//! all-reduce completes. Embeddings, norms and the output projection stay whole on every
+//! rank.
+
+use crate::checkpoint::{HostTensor, Role};
+use crate::config::ModelConfig;
+use anyhow::{bail, ensure, Result};
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// Rank `rank` of a tensor-parallel group of `size`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpRank {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl TpRank {
+    /// The whole model on one device.
+    pub const SINGLE: TpRank = TpRank { rank: 0, size: 1 };
+
+    /// The model this rank runs: its share of the heads, KV heads and MLP width.
+    pub fn shard_config(&self, cfg: &ModelConfig) -> Result<ModelConfig> {
+        let n = self.size;
+        if n == 1 {
+            return Ok(cfg.clone());
+        }
+        ensure!(self.rank < n, "tensor-parallel rank {} of {n}", self.rank);
+        if cfg.moe.is_some() {
+            bail!("--tensor-parallel-size {n}: mixture-of-experts models are not split across devices yet");
+        }
+        for (what, count) in [
+            ("attention heads", cfg.num_heads),
+            ("KV heads", cfg.num_kv_heads),
+            ("MLP columns (intermediate_size)", cfg.intermediate_size),
+        ] {
+            ensure!(
+                count.is_multiple_of(n),
+                "--tensor-parallel-size {n} does not divide the model's {count} {what}"
+            );
+        }
+        Ok(ModelConfig {
+            num_heads: cfg.num_heads / n,
+            num_kv_heads: cfg.num_kv_heads / n,
+            intermediate_size: cfg.intermediate_size / n,
+            ..cfg.clone()
+        })
+    }
+
+    /// This rank's share of `len` items.
+    fn share(&self, len: usize) -> Range<usize> {
+        let part = len / self.size;
+        self.rank * part..(self.rank + 1) * part
+    }
+
+    /// This rank's slice of the whole model's weight `t` in `role` (`full` is the whole
+    /// model's config).
+    pub fn split<'a>(
+        &self,
+        role: Role,
+        t: HostTensor<'a>,
+        full: &ModelConfig,
+    ) -> Result<HostTensor<'a>> {
+        if self.size == 1 {
+            return Ok(t);
+        }
+        let hd = full.head_dim;
+        match role {
+            Role::Q | Role::QBias => rows(t, self.share(full.num_heads * hd)),
+            Role::K | Role::V | Role::KBias | Role::VBias => {
+                rows(t, self.share(full.num_kv_heads * hd))
+            }
+            Role::Gate | Role::Up => rows(t, self.share(full.intermediate_size)),
+            Role::O => columns(t, self.share(full.num_heads * hd)),
+            Role::Down => columns(t, self.share(full.intermediate_size)),
+            Role::Embed
+            | Role::FinalNorm
+            | Role::LmHead
+            | Role::AttnNorm
+            | Role::FfnNorm
+            | Role::QNorm
+            | Role::KNorm => Ok(t),
+            Role::Router | Role::ExpertGate(_) | Role::ExpertUp(_) | Role::ExpertDown(_) => {
+                bail!("mixture-of-experts weights are not split across devices yet")
+            }
+        }
+    }
+}
+
+/// Rows `range` of a matrix (or values `range` of a vector): a view of the stored bytes.
+fn rows(t: HostTensor<'_>, range: Range<usize>) -> Result<HostTensor<'_>> {
+    let total = t.shape[0];
+    ensure!(
+        range.end <= total,
+        "rows {range:?} of a tensor of shape {:?}",
+        t.shape
+    );
+    let cols: usize = t.shape[1..].iter().product();
+    let (start, end) = (
+        t.dtype.bytes_for(range.start * cols),
+        t.dtype.bytes_for(range.end * cols),
+    );
+    let data = match t.data {
+        Cow::Borrowed(d) => Cow::Borrowed(&d[start..end]),
+        Cow::Owned(d) => Cow::Owned(d[start..end].to_vec()),
+    };
+    let mut shape = t.shape;
+    shape[0] = range.len();
+    Ok(HostTensor {
+        dtype: t.dtype,
+        shape,
+        data,
+        mapped: t.mapped,
+    })
+}
+
+/// Columns `range` of a matrix, copied row by row; a block format is cut at whole blocks.
+fn columns(t: HostTensor<'_>, range: Range<usize>) -> Result<HostTensor<'_>> {
+    ensure!(
+        t.shape.len() == 2 && range.end <= t.shape[1],
+        "columns {range:?} of a tensor of shape {:?}",
+        t.shape
+    );
+    let (n, k) = (t.shape[0], t.shape[1]);
+    let block = t.dtype.block_len();
+    ensure!(
+        range.start.is_multiple_of(block) && range.end.is_multiple_of(block),
+        "columns {range:?} cut {} blocks of {block}: this split needs another --tensor-parallel-size",
+        t.dtype
+    );
+    let row_bytes = t.dtype.bytes_for(k);
+    let (start, end) = (t.dtype.bytes_for(range.start), t.dtype.bytes_for(range.end));
+    let mut data = Vec::with_capacity(n * (end - start));
+    for row in t.data.chunks_exact(row_bytes) {
+        data.extend_from_slice(&row[start..end]);
+    }
+    Ok(HostTensor {
+        dtype: t.dtype,
+        shape: vec![n, range.len()],
+        data: Cow::Owned(data),
+        mapped: t.mapped,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TpRank;
+    use crate::checkpoint::{HostTensor, Role};
+    use crate::config::{Arch, ModelConfig};
+    use crate::synthetic::SyntheticSpec;
+    use crate::Checkpoint;
+    use ingot_backend::DType;
+    use std::borrow::Cow;
+
+    fn matrix(rows: usize, cols: usize) -> (Vec<f32>, HostTensor<'static>) {
+        let vals: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let t = HostTensor {
+            dtype: DType::F32,
+            shape: vec![rows, cols],
+            data: Cow::Owned(bytemuck::cast_slice(&vals).to_vec()),
+            mapped: &[],
+        };
+        (vals, t)
+    }
+
+    fn tiny_config(arch: Arch) -> ModelConfig {
+        let dir = std::env::temp_dir().join(format!("ingot-tp-{arch:?}-{}", std::process::id()));
+        SyntheticSpec::tiny(arch).write(&dir).unwrap();
+        let cfg = Checkpoint::open(&dir).unwrap().config().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        cfg
+    }
+
+    #[test]
+    fn ranks_take_their_rows_and_columns() {
+        let cfg = tiny_config(Arch::Llama);
+        let tp = TpRank { rank: 1, size: 2 };
+        let local = tp.shard_config(&cfg).unwrap();
+        assert_eq!(
+            (local.num_heads, local.num_kv_heads, local.intermediate_size),
+            (2, 1, 48)
+        );
+        let (q, k) = (cfg.q_size(), cfg.hidden_size);
+
+        let (vals, t) = matrix(q, k);
+        let s = tp.split(Role::Q, t, &cfg).unwrap();
+        assert_eq!(s.shape, [q / 2, k]);
+        assert_eq!(s.to_f32(), vals[q / 2 * k..]);
+
+        let (vals, t) = matrix(k, q);
+        let s = tp.split(Role::O, t, &cfg).unwrap();
+        assert_eq!(s.shape, [k, q / 2]);
+        let expect: Vec<f32> = vals.chunks(q).flat_map(|r| r[q / 2..].to_vec()).collect();
+        assert_eq!(s.to_f32(), expect);
+
+        let (vals, t) = matrix(cfg.vocab_size, k);
+        assert_eq!(tp.split(Role::Embed, t, &cfg).unwrap().to_f32(), vals);
+    }
+
+    #[test]
+    fn splits_that_do_not_divide_are_refused() {
+        let cfg = tiny_config(Arch::Llama);
+        let err = TpRank { rank: 0, size: 4 }.shard_config(&cfg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--tensor-parallel-size 4 does not divide the model's 2 KV heads"
+        );
+        let cfg = tiny_config(Arch::Qwen3Moe);
+        let err = TpRank { rank: 0, size: 2 }.shard_config(&cfg).unwrap_err();
+        assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+    }
+}
