@@ -542,6 +542,11 @@ impl<B: Backend> Engine<B> {
         &self.runner.backend
     }
 
+    /// Why the engine can run no more steps, once a tensor-parallel rank failed.
+    pub fn stopped(&self) -> Option<String> {
+        self.runner.stopped()
+    }
+
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
     }

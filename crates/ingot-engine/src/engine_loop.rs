@@ -87,6 +87,8 @@ struct Inner {
     max_model_len: usize,
     pooling: Option<Pooling>,
     hidden_size: usize,
+    /// Why the engine thread ended on its own, once it did.
+    stopped: Arc<Mutex<Option<String>>>,
 }
 
 impl Drop for Inner {
@@ -123,9 +125,15 @@ impl EngineHandle {
         let pooling = engine.pooling().cloned();
         let hidden_size = engine.hidden_size();
         let shared = stats.clone();
+        let stopped = Arc::new(Mutex::new(None));
+        let why = stopped.clone();
         let thread = std::thread::Builder::new()
             .name("ingot-engine".into())
-            .spawn(move || run(&mut engine, rx, &shared))
+            .spawn(move || {
+                if let Some(e) = run(&mut engine, rx, &shared) {
+                    *why.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                }
+            })
             .expect("spawn the engine thread");
         let inner = Inner {
             commands: Some(tx),
@@ -137,6 +145,7 @@ impl EngineHandle {
             max_model_len,
             pooling,
             hidden_size,
+            stopped,
         };
         EngineHandle {
             inner: Arc::new(inner),
@@ -164,6 +173,16 @@ impl EngineHandle {
     /// Counters as of the last step.
     pub fn stats(&self) -> EngineStats {
         *self.inner.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Why the engine thread stopped by itself (a tensor-parallel rank failed), once it
+    /// did: requests are refused from then on, and a server should exit.
+    pub fn stopped(&self) -> Option<String> {
+        self.inner
+            .stopped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn send(&self, cmd: Command) -> Result<(), SubmitError> {
@@ -403,14 +422,20 @@ fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
     }
 }
 
-fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<EngineStats>) {
+/// Serves commands until every handle is gone (`None`), or until the engine can run no
+/// more steps (`Some` with the cause).
+fn run<B: Backend>(
+    engine: &mut Engine<B>,
+    rx: Receiver<Command>,
+    stats: &Mutex<EngineStats>,
+) -> Option<String> {
     let mut state = Loop::default();
     loop {
         // Idle: sleep until a command arrives; busy: take what is queued and keep stepping.
         if !engine.has_work() {
             match rx.recv() {
                 Ok(cmd) => handle(engine, &mut state, cmd),
-                Err(_) => return,
+                Err(_) => return None,
             }
         }
         let mut mark = Instant::now();
@@ -450,6 +475,10 @@ fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<
                     for (id, req) in live.drain() {
                         let _ = req.events.send(Err(Failure::Step(format!("{e:#}"))));
                         engine.abort(id);
+                    }
+                    if let Some(why) = engine.stopped() {
+                        tracing::error!("the engine stops: {why}");
+                        return Some(why);
                     }
                 }
             }

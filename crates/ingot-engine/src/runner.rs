@@ -116,12 +116,18 @@ impl<B: Backend + 'static> ModelRunner<B> {
             )?;
             let (steps, inbox) = mpsc::channel::<Arc<StepInput>>();
             let (outcome, submitted) = mpsc::channel();
+            let fail_at = injected_failure(rank);
             let thread = std::thread::Builder::new()
                 .name(format!("rank {rank}"))
                 .spawn(move || {
                     let mut peer = peer;
-                    for input in inbox {
-                        let r = peer.submit(&input);
+                    for (step, input) in (1..).zip(inbox) {
+                        let r = match fail_at {
+                            Some(at) if at == step => {
+                                Err(anyhow::anyhow!("failure injected at step {step}"))
+                            }
+                            _ => peer.submit(&input),
+                        };
                         if let (Err(e), Some(c)) = (&r, &peer.model.collective) {
                             c.abort(&format!("{e:#}"));
                         }
@@ -139,6 +145,15 @@ impl<B: Backend + 'static> ModelRunner<B> {
         }
         Ok(runner)
     }
+}
+
+/// `INGOT_FAIL_RANK=R:S` makes tensor-parallel rank R (not 0) fail its S-th step (from 1)
+/// instead of running it: how the tests show that a failing rank stops its group with its
+/// error rather than hanging it.
+fn injected_failure(rank: usize) -> Option<usize> {
+    let v = std::env::var("INGOT_FAIL_RANK").ok()?;
+    let (r, s) = v.split_once(':')?;
+    (r.parse() == Ok(rank)).then(|| s.parse().ok()).flatten()
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -226,6 +241,11 @@ impl<B: Backend> ModelRunner<B> {
 
     pub fn vocab_size(&self) -> usize {
         self.model.config.vocab_size
+    }
+
+    /// Why the tensor-parallel group stopped, once a rank failed: no step runs after that.
+    pub fn stopped(&self) -> Option<String> {
+        self.model.collective.as_ref().and_then(|c| c.failure())
     }
 
     /// Runs one step and returns `[logits_indices.len(), vocab]` logits.

@@ -4,7 +4,7 @@
 
 use crate::device::{ModelArgs, OnBackend, TaskArgs};
 use crate::generate::EngineArgs;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use ingot_backend::Backend;
 use ingot_engine::{Engine, EngineConfig, EngineHandle};
 use ingot_server::{AppState, ServerConfig};
@@ -166,8 +166,18 @@ async fn serve(args: Args) -> Result<()> {
     );
     loader.await.context("the loader panicked")??;
     let grace = Duration::from_secs(args.shutdown_grace);
+    let engine = state.engine.get().cloned();
+    let engine_stopped = async move {
+        loop {
+            if let Some(why) = engine.as_ref().and_then(|e| e.stopped()) {
+                return why;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
     tokio::select! {
         r = &mut server => r.context("the server task panicked")?.context("server error")?,
+        why = engine_stopped => bail!("the engine stopped: {why}"),
         _ = async {
             let _ = signal.wait_for(|s| *s).await;
             tokio::time::sleep(grace).await;
