@@ -4,7 +4,7 @@
 //!
 //! NCCL is opened here rather than through cudarc: cudarc looks for `libnccl.so` and
 //! CUDA-versioned names, while NCCL installs (its Python wheel among them) ship
-//! `libnccl.so.2`; and the five calls below are the whole of what ingot uses.
+//! `libnccl.so.2`; and the six calls below are the whole of what ingot uses.
 
 use super::{library, CudaBackend, CudaBuffer};
 use crate::collective::Collective;
