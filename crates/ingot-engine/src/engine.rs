@@ -363,11 +363,10 @@ impl<B: Backend> Engine<B> {
         Self::with_peers(backend, model, ranks.collect(), tokenizer, config)
     }
 
-    /// An engine whose model is split over a tensor-parallel group: `model` is the first
-    /// rank's share, on `backend`, and `peers` hold the other ranks' shares on theirs. The
-    /// KV cache is sized from the first rank's device (every rank holds its heads' share
-    /// of each block).
-    pub fn with_peers(
+    /// The engine of [`Engine::with_ranks`]: `model` is the first rank's share, on
+    /// `backend`, and `peers` hold the other ranks' shares on theirs. The KV cache is sized
+    /// from the first rank's device (every rank holds its heads' share of each block).
+    fn with_peers(
         backend: B,
         model: Model<B>,
         peers: Vec<(B, Model<B>)>,
