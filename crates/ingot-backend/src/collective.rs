@@ -3,6 +3,21 @@
 //! products are added across the ranks.
 
 use crate::{Backend, DType};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static ABORTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether a group of this process was aborted: its communicators may still be tearing
+/// down on another thread, which the libraries' exit handlers must not run beside (on 2x
+/// H200 with NCCL 2.28.3 they crashed the exit), so such a process ends without them.
+pub fn any_aborted() -> bool {
+    ABORTED.load(Ordering::Relaxed)
+}
+
+/// Records for [`any_aborted`] that a group is being aborted.
+pub(crate) fn note_abort() {
+    ABORTED.store(true, Ordering::Relaxed);
+}
 
 /// A rank's view of its group, queued on the rank's backend like its other ops.
 ///

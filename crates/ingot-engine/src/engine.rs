@@ -15,6 +15,7 @@ use ingot_core::{
 use ingot_model::{Activations, Head, KvCache, Model, Pooling, PoolingType, Tokenizer};
 use rayon::prelude::*;
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -197,7 +198,8 @@ impl RequestState {
 }
 
 pub struct Engine<B: Backend> {
-    runner: ModelRunner<B>,
+    /// Dropped with the engine unless its tensor-parallel group failed (see the drop).
+    runner: ManuallyDrop<ModelRunner<B>>,
     scheduler: Scheduler,
     tokenizer: Arc<Tokenizer>,
     grammars: Grammars,
@@ -223,6 +225,19 @@ pub struct Engine<B: Backend> {
     /// The masks of a step's constrained rows as uploaded, kept from step to step so that
     /// their megabytes are not allocated (and faulted in) anew each time.
     mask_rows: Vec<u32>,
+}
+
+impl<B: Backend> Drop for Engine<B> {
+    fn drop(&mut self) {
+        // A failed tensor-parallel group may leave a collective of a replayed graph
+        // running on a device, waiting for the rank that failed: freeing memory waits for
+        // the device and would hang. Such an engine's device state is left to the
+        // process's exit.
+        if self.runner.stopped().is_none() {
+            // SAFETY: dropped once, here, and not used after.
+            unsafe { ManuallyDrop::drop(&mut self.runner) };
+        }
+    }
 }
 
 /// How a step's tokens come back from the device.
@@ -516,7 +531,7 @@ impl<B: Backend> Engine<B> {
         });
         let grammars = Grammars::new(tokenizer.clone(), runner.vocab_size());
         Ok(Engine {
-            runner,
+            runner: ManuallyDrop::new(runner),
             scheduler,
             tokenizer,
             grammars,
@@ -544,6 +559,16 @@ impl<B: Backend> Engine<B> {
     /// Why the engine can run no more steps, once a tensor-parallel rank failed.
     pub fn stopped(&self) -> Option<String> {
         self.runner.stopped()
+    }
+
+    /// [`Engine::stopped`] for another thread: it answers while this engine's thread waits
+    /// on a device, as it may once a rank has failed.
+    pub fn failure_watch(&self) -> impl Fn() -> Option<String> + Send + Sync + 'static
+    where
+        B: 'static,
+    {
+        let group = self.runner.model.collective.clone();
+        move || group.as_ref().and_then(|c| c.failure())
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

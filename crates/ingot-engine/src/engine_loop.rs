@@ -89,6 +89,8 @@ struct Inner {
     hidden_size: usize,
     /// Why the engine thread ended on its own, once it did.
     stopped: Arc<Mutex<Option<String>>>,
+    /// Why its tensor-parallel group failed, once it did (the thread may still be running).
+    group_failure: Box<dyn Fn() -> Option<String> + Send + Sync>,
 }
 
 impl Drop for Inner {
@@ -127,6 +129,7 @@ impl EngineHandle {
         let shared = stats.clone();
         let stopped = Arc::new(Mutex::new(None));
         let why = stopped.clone();
+        let group_failure = Box::new(engine.failure_watch());
         let thread = std::thread::Builder::new()
             .name("ingot-engine".into())
             .spawn(move || {
@@ -146,6 +149,7 @@ impl EngineHandle {
             pooling,
             hidden_size,
             stopped,
+            group_failure,
         };
         EngineHandle {
             inner: Arc::new(inner),
@@ -183,6 +187,13 @@ impl EngineHandle {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Why a rank of the engine's tensor-parallel group failed, as soon as it did: the
+    /// engine thread then answers its requests with the error and stops, unless it is
+    /// waiting on a device that the failed rank left busy.
+    pub fn group_failure(&self) -> Option<String> {
+        (self.inner.group_failure)()
     }
 
     fn send(&self, cmd: Command) -> Result<(), SubmitError> {

@@ -1,7 +1,7 @@
 //! The model runner: owns the KV cache and the activation buffers, uploads each step's
 //! metadata and returns the logits of the sampled rows.
 
-use anyhow::{ensure, Result};
+use anyhow::{bail, ensure, Result};
 use ingot_backend::sampling::mask_words;
 use ingot_backend::{Backend, CacheLayout, DType, LogitEdit, SampleRow};
 use ingot_model::{Activations, Head, KvCache, Model, StepBuffers};
@@ -134,6 +134,10 @@ impl<B: Backend + 'static> ModelRunner<B> {
                         if outcome.send(r).is_err() {
                             break;
                         }
+                    }
+                    if peer.stopped().is_some() {
+                        // See `Engine`'s drop: a failed group's device memory is not freed.
+                        std::mem::forget(peer);
                     }
                 })?;
             runner.peers.push(Peer {
@@ -514,6 +518,11 @@ impl<B: Backend> ModelRunner<B> {
             // A bucket's first step runs eagerly, which also sets up what capture cannot
             // (kernel lookups, GEMM plans); later ones replay its graph.
             Some(bucket) if self.warm_buckets.contains(&bucket) => {
+                // A graph queues its collectives without asking the group, so once the
+                // group has failed (its communicators aborted) none is replayed.
+                if let Some(why) = model.collective.as_ref().and_then(|c| c.failure()) {
+                    bail!("tensor-parallel group stopped: {why}");
+                }
                 b.run_recorded(bucket as u64, &mut step)?
             }
             Some(bucket) => {

@@ -56,6 +56,10 @@ fn a_failing_rank_stops_the_engine_with_its_error() {
         err.contains("tensor-parallel rank 1: failure injected at step 3"),
         "{err}"
     );
+    assert_eq!(
+        handle.group_failure().as_deref(),
+        Some("rank 1: failure injected at step 3")
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     let why = loop {
         if let Some(why) = handle.stopped() {

@@ -69,6 +69,18 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        exit_failed();
     }
+}
+
+/// Exits with status 1, without the libraries' exit handlers once a tensor-parallel group
+/// was aborted (see [`ingot_backend::collective::any_aborted`]).
+fn exit_failed() -> ! {
+    if ingot_backend::collective::any_aborted() {
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // SAFETY: ends the process at once; nothing runs after it.
+        unsafe { libc::_exit(1) };
+    }
+    std::process::exit(1)
 }

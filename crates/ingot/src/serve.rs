@@ -4,7 +4,7 @@
 
 use crate::device::{ModelArgs, OnBackend, TaskArgs};
 use crate::generate::EngineArgs;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use ingot_backend::Backend;
 use ingot_engine::{Engine, EngineConfig, EngineHandle};
 use ingot_server::{AppState, ServerConfig};
@@ -168,16 +168,35 @@ async fn serve(args: Args) -> Result<()> {
     let grace = Duration::from_secs(args.shutdown_grace);
     let engine = state.engine.get().cloned();
     let engine_stopped = async move {
+        let engine = engine.as_ref()?;
         loop {
-            if let Some(why) = engine.as_ref().and_then(|e| e.stopped()) {
-                return why;
+            if let Some(why) = engine.stopped() {
+                return Some(why);
+            }
+            if let Some(why) = engine.group_failure() {
+                // The engine thread answers its requests with the error and ends, unless
+                // a device the failed rank left busy holds it.
+                for _ in 0..50 {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if engine.stopped().is_some() {
+                        break;
+                    }
+                }
+                return Some(engine.stopped().unwrap_or(why));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     };
     tokio::select! {
         r = &mut server => r.context("the server task panicked")?.context("server error")?,
-        why = engine_stopped => bail!("the engine stopped: {why}"),
+        Some(why) = engine_stopped => {
+            // The requests answered with the error get a moment to reach their clients;
+            // then the process exits here, as unwinding would join an engine thread that
+            // may be waiting on a device for good.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            eprintln!("error: the engine stopped: {why}");
+            crate::exit_failed();
+        }
         _ = async {
             let _ = signal.wait_for(|s| *s).await;
             tokio::time::sleep(grace).await;

@@ -20,6 +20,18 @@ impl Server {
 
     /// As [`start`](Self::start), with `prepare` run on the model directory first.
     async fn start_with(tag: &str, extra: &[&str], prepare: fn(&std::path::Path)) -> Server {
+        Self::launch(tag, extra, prepare, &[], Stdio::null()).await
+    }
+
+    /// As [`start_with`](Self::start_with), with variables `env` set for the server and
+    /// its standard error sent to `stderr`.
+    async fn launch(
+        tag: &str,
+        extra: &[&str],
+        prepare: fn(&std::path::Path),
+        env: &[(&str, &str)],
+        stderr: Stdio,
+    ) -> Server {
         let dir = std::env::temp_dir().join(format!("ingot-server-{tag}-{}", std::process::id()));
         SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
         prepare(&dir);
@@ -45,8 +57,9 @@ impl Server {
                 &["--kv-cache-memory", "4000000"][..]
             })
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let mut s = Server {
@@ -737,4 +750,38 @@ async fn a_mixture_of_experts_model_serves() {
     stream["stream"] = json!(true);
     let events = sse(&s.base, "/v1/chat/completions", stream).await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+}
+
+/// A tensor-parallel rank that fails (`INGOT_FAIL_RANK`) ends `ingot serve`: the request in
+/// flight gets the rank's error and the process exits with it.
+#[tokio::test]
+async fn a_failing_rank_ends_the_server_with_its_error() {
+    let mut s = Server::launch(
+        "tp-fail",
+        &["--tensor-parallel-size", "2"],
+        |_| {},
+        &[("INGOT_FAIL_RANK", "1:3")],
+        Stdio::piped(),
+    )
+    .await;
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": true});
+    let (code, v) = post(&s.base, "/v1/completions", body).await;
+    assert_eq!(code, 500, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("failure injected at step 3"), "{v}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let exit = loop {
+        if let Some(exit) = s.child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "the server is still running");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(exit.code(), Some(1));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut s.child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(
+        stderr.contains("error: the engine stopped: rank 1: failure injected at step 3"),
+        "{stderr}"
+    );
 }

@@ -225,17 +225,32 @@ impl Collective<CudaBackend> for NcclRank {
 
     fn abort(&self, why: &str) {
         let g = &self.group;
-        let mut failure = g.failure.lock().unwrap_or_else(|e| e.into_inner());
-        if failure.is_some() {
-            return;
+        {
+            let mut failure = g.failure.lock().unwrap_or_else(|e| e.into_inner());
+            if failure.is_some() {
+                return;
+            }
+            *failure = Some(format!("rank {}: {why}", self.rank));
         }
-        *failure = Some(format!("rank {}: {why}", self.rank));
         // Ranks blocked in a collective that the failed rank never joins return with an
-        // error instead of waiting for it.
-        for c in &g.comms {
-            // SAFETY: see `Handle`; no collective is queued on an aborted communicator,
-            // as each checks `failure` first.
-            unsafe { (g.nccl.comm_abort)(c.0) };
+        // error instead of waiting for it. The aborts run on a thread of their own, which
+        // nothing waits for: a rank failing at a step replayed from a CUDA graph hung its
+        // group on 2x H200 (NCCL 2.28.3) while the abort ran on the failing rank's thread.
+        // The ranks see the failure at once and stop; the process's exit ends what is left
+        // on the devices.
+        crate::collective::note_abort();
+        let group = g.clone();
+        let spawned = std::thread::Builder::new()
+            .name("nccl-abort".into())
+            .spawn(move || {
+                for c in &group.comms {
+                    // SAFETY: see `Handle`; no collective is queued on an aborted
+                    // communicator, as each checks `failure` first.
+                    unsafe { (group.nccl.comm_abort)(c.0) };
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!("cannot start the NCCL abort: {e}");
         }
     }
 
