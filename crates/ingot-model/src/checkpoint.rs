@@ -3,6 +3,7 @@
 
 use crate::config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 use crate::gguf::{GgufFile, Value};
+use crate::tensor_parallel::Cut;
 use anyhow::{bail, ensure, Context, Result};
 use ingot_backend::DType;
 use memmap2::Mmap;
@@ -374,8 +375,26 @@ impl Checkpoint {
                 }
                 Ok(Some(t))
             }
-            Checkpoint::Dummy { dtype, .. } => Ok(crate::dummy::tensor(role, layer, cfg, *dtype)),
+            Checkpoint::Dummy { dtype, .. } => {
+                Ok(crate::dummy::tensor(role, layer, cfg, *dtype, &Cut::Whole))
+            }
         }
+    }
+
+    /// Part `cut` of [`Checkpoint::tensor`]: dummy weights make only that part.
+    pub fn tensor_part(
+        &self,
+        role: Role,
+        layer: usize,
+        cfg: &ModelConfig,
+        cut: &Cut,
+    ) -> Result<Option<HostTensor<'_>>> {
+        if let Checkpoint::Dummy { dtype, .. } = self {
+            return Ok(crate::dummy::tensor(role, layer, cfg, *dtype, cut));
+        }
+        self.tensor(role, layer, cfg)?
+            .map(|t| cut.apply(t))
+            .transpose()
     }
 
     /// Drops the file pages of a tensor that has been copied to the backend from this

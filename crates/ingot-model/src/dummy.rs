@@ -5,6 +5,7 @@
 
 use crate::checkpoint::{HostTensor, Role};
 use crate::config::ModelConfig;
+use crate::tensor_parallel::Cut;
 use half::{bf16, f16};
 use ingot_backend::DType;
 use rayon::prelude::*;
@@ -112,22 +113,26 @@ fn role_number(role: Role) -> u64 {
     }
 }
 
+/// Part `cut` of the weight in `role` of layer `layer`: a rank of a tensor-parallel group
+/// makes only its own part, with the values the whole tensor has there.
 pub fn tensor(
     role: Role,
     layer: usize,
     cfg: &ModelConfig,
     dtype: DType,
+    cut: &Cut,
 ) -> Option<HostTensor<'static>> {
-    let shape = shape(role, cfg)?;
+    let whole = shape(role, cfg)?;
+    let shape = cut.shape(&whole);
     let n: usize = shape.iter().product();
     let (offset, scale) = match role {
         Role::FinalNorm | Role::AttnNorm | Role::FfnNorm | Role::QNorm | Role::KNorm => (1.0, 0.1),
         Role::QBias | Role::KBias | Role::VBias => (0.0, 0.1),
         Role::Embed => (0.0, 1.0),
-        _ => (0.0, (3.0 / shape[1] as f32).sqrt()),
+        _ => (0.0, (3.0 / whole[1] as f32).sqrt()),
     };
     let seed = splitmix64((role_number(role) << 32) ^ layer as u64);
-    let value = |i: usize| offset + scale * uniform(seed, i);
+    let value = |i: usize| offset + scale * uniform(seed, cut.source_index(&whole, i));
     // 1-D weights are read as f32 (norms, biases); matrices come in the config's dtype.
     let dtype = if shape.len() == 1 { DType::F32 } else { dtype };
     let width = dtype.bytes_for(1);
@@ -169,17 +174,40 @@ mod tests {
     #[test]
     fn weights_are_reproducible_and_follow_the_config() {
         let cfg = config();
-        let q = tensor(Role::Q, 1, &cfg, DType::BF16).unwrap();
+        let q = tensor(Role::Q, 1, &cfg, DType::BF16, &Cut::Whole).unwrap();
         assert_eq!((q.dtype, q.shape.clone()), (DType::BF16, vec![64, 64]));
-        assert_eq!(q.data, tensor(Role::Q, 1, &cfg, DType::BF16).unwrap().data);
-        assert_ne!(q.data, tensor(Role::Q, 0, &cfg, DType::BF16).unwrap().data);
-        let norm = tensor(Role::AttnNorm, 0, &cfg, DType::BF16).unwrap();
+        assert_eq!(
+            q.data,
+            tensor(Role::Q, 1, &cfg, DType::BF16, &Cut::Whole)
+                .unwrap()
+                .data
+        );
+        assert_ne!(
+            q.data,
+            tensor(Role::Q, 0, &cfg, DType::BF16, &Cut::Whole)
+                .unwrap()
+                .data
+        );
+        let norm = tensor(Role::AttnNorm, 0, &cfg, DType::BF16, &Cut::Whole).unwrap();
         assert!(norm.dtype == DType::F32 && norm.to_f32().iter().all(|v| (0.9..=1.1).contains(v)));
         // Qwen2 has q/k/v biases and tied embeddings, no q/k norms.
-        assert!(tensor(Role::QBias, 0, &cfg, DType::BF16).is_some());
-        assert!(tensor(Role::LmHead, 0, &cfg, DType::BF16).is_none());
-        assert!(tensor(Role::QNorm, 0, &cfg, DType::BF16).is_none());
+        assert!(tensor(Role::QBias, 0, &cfg, DType::BF16, &Cut::Whole).is_some());
+        assert!(tensor(Role::LmHead, 0, &cfg, DType::BF16, &Cut::Whole).is_none());
+        assert!(tensor(Role::QNorm, 0, &cfg, DType::BF16, &Cut::Whole).is_none());
         assert_eq!(tensor_count(&cfg), 2 + 2 * 12);
+    }
+
+    /// A rank's part holds the values the whole tensor has there.
+    #[test]
+    fn parts_are_slices_of_the_whole() {
+        let cfg = config();
+        for cut in [Cut::Columns(16..40), Cut::Rows(3..9)] {
+            let part = tensor(Role::O, 0, &cfg, DType::F32, &cut).unwrap();
+            let whole = tensor(Role::O, 0, &cfg, DType::F32, &Cut::Whole).unwrap();
+            let want = cut.apply(whole).unwrap();
+            assert_eq!(part.shape, want.shape);
+            assert_eq!(part.to_f32(), want.to_f32());
+        }
     }
 
     #[test]
@@ -190,13 +218,13 @@ mod tests {
                 "num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":24,"mlp_only_layers":[1]}"#,
         )
         .unwrap();
-        let shape = |r: Role| tensor(r, 0, &cfg, DType::BF16).unwrap().shape;
+        let shape = |r: Role| tensor(r, 0, &cfg, DType::BF16, &Cut::Whole).unwrap().shape;
         assert_eq!(shape(Role::Router), [4, 64]);
         assert_eq!(shape(Role::ExpertUp(3)), [24, 64]);
         assert_eq!(shape(Role::ExpertDown(0)), [64, 24]);
         let (a, b) = (
-            tensor(Role::ExpertGate(0), 0, &cfg, DType::BF16),
-            tensor(Role::ExpertGate(1), 0, &cfg, DType::BF16),
+            tensor(Role::ExpertGate(0), 0, &cfg, DType::BF16, &Cut::Whole),
+            tensor(Role::ExpertGate(1), 0, &cfg, DType::BF16, &Cut::Whole),
         );
         assert_ne!(a.unwrap().data, b.unwrap().data);
         // 3 global; per layer 8 (two norms, q/k/v/o, q/k norms), then the sparse layer's

@@ -58,36 +58,84 @@ impl TpRank {
         self.rank * part..(self.rank + 1) * part
     }
 
-    /// This rank's slice of the whole model's weight `t` in `role` (`full` is the whole
-    /// model's config).
-    pub fn split<'a>(
-        &self,
-        role: Role,
-        t: HostTensor<'a>,
-        full: &ModelConfig,
-    ) -> Result<HostTensor<'a>> {
+    /// Which part of the whole model's weight in `role` this rank holds (`full` is the
+    /// whole model's config).
+    pub fn cut(&self, role: Role, full: &ModelConfig) -> Result<Cut> {
         if self.size == 1 {
-            return Ok(t);
+            return Ok(Cut::Whole);
         }
         let hd = full.head_dim;
-        match role {
-            Role::Q | Role::QBias => rows(t, self.share(full.num_heads * hd)),
+        Ok(match role {
+            Role::Q | Role::QBias => Cut::Rows(self.share(full.num_heads * hd)),
             Role::K | Role::V | Role::KBias | Role::VBias => {
-                rows(t, self.share(full.num_kv_heads * hd))
+                Cut::Rows(self.share(full.num_kv_heads * hd))
             }
-            Role::Gate | Role::Up => rows(t, self.share(full.intermediate_size)),
-            Role::O => columns(t, self.share(full.num_heads * hd)),
-            Role::Down => columns(t, self.share(full.intermediate_size)),
+            Role::Gate | Role::Up => Cut::Rows(self.share(full.intermediate_size)),
+            Role::O => Cut::Columns(self.share(full.num_heads * hd)),
+            Role::Down => Cut::Columns(self.share(full.intermediate_size)),
             Role::Embed
             | Role::FinalNorm
             | Role::LmHead
             | Role::AttnNorm
             | Role::FfnNorm
             | Role::QNorm
-            | Role::KNorm => Ok(t),
+            | Role::KNorm => Cut::Whole,
             Role::Router | Role::ExpertGate(_) | Role::ExpertUp(_) | Role::ExpertDown(_) => {
                 bail!("mixture-of-experts weights are not split across devices yet")
             }
+        })
+    }
+
+    /// This rank's slice of the whole model's weight `t` in `role`.
+    pub fn split<'a>(
+        &self,
+        role: Role,
+        t: HostTensor<'a>,
+        full: &ModelConfig,
+    ) -> Result<HostTensor<'a>> {
+        self.cut(role, full)?.apply(t)
+    }
+}
+
+/// The part of a weight one rank holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cut {
+    Whole,
+    /// Output rows (or the values of a vector).
+    Rows(Range<usize>),
+    /// Input columns of a matrix.
+    Columns(Range<usize>),
+}
+
+impl Cut {
+    /// This part of the whole tensor `t`.
+    pub fn apply<'a>(&self, t: HostTensor<'a>) -> Result<HostTensor<'a>> {
+        match self {
+            Cut::Whole => Ok(t),
+            Cut::Rows(r) => rows(t, r.clone()),
+            Cut::Columns(c) => columns(t, c.clone()),
+        }
+    }
+
+    /// The shape of this part of a tensor of `shape`.
+    pub fn shape(&self, shape: &[usize]) -> Vec<usize> {
+        let mut out = shape.to_vec();
+        match self {
+            Cut::Whole => {}
+            Cut::Rows(r) => out[0] = r.len(),
+            Cut::Columns(c) => out[1] = c.len(),
+        }
+        out
+    }
+
+    /// The element of the whole tensor of `shape` (row-major) that element `i` of this part
+    /// is.
+    pub fn source_index(&self, shape: &[usize], i: usize) -> usize {
+        let cols: usize = shape[1..].iter().product();
+        match self {
+            Cut::Whole => i,
+            Cut::Rows(r) => r.start * cols + i,
+            Cut::Columns(c) => i / c.len() * cols + c.start + i % c.len(),
         }
     }
 }
@@ -169,7 +217,11 @@ mod tests {
     }
 
     fn tiny_config(arch: Arch) -> ModelConfig {
-        let dir = std::env::temp_dir().join(format!("ingot-tp-{arch:?}-{}", std::process::id()));
+        // A directory per call: tests run side by side.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("ingot-tp-{arch:?}-{}-{call}", std::process::id()));
         SyntheticSpec::tiny(arch).write(&dir).unwrap();
         let cfg = Checkpoint::open(&dir).unwrap().config().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();

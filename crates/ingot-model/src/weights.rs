@@ -428,11 +428,12 @@ fn convert_into(t: &HostTensor<'_>, target: DType, scale: Option<&[f32]>, out: &
 
 impl<'a, B: Backend> Loader<'a, B> {
     fn get(&self, role: Role, layer: usize) -> Result<Option<HostTensor<'a>>> {
-        let Some(t) = self.ckpt.tensor(role, layer, self.full)? else {
-            return Ok(None);
-        };
-        self.progress.inc(1);
-        Ok(Some(self.tp.split(role, t, self.full)?))
+        let cut = self.tp.cut(role, self.full)?;
+        let t = self.ckpt.tensor_part(role, layer, self.full, &cut)?;
+        if t.is_some() {
+            self.progress.inc(1);
+        }
+        Ok(t)
     }
 
     fn require(&self, role: Role, layer: usize) -> Result<HostTensor<'a>> {
