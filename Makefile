@@ -28,7 +28,9 @@ run: model build
 # NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run;
 # the wgpu tests run on Mesa's lavapipe), and the Python suite that drives `ingot serve`
 # with the official openai client, headless Chromium (the chat page) and Prometheus (its
-# venv lives in ~/.cache/ingot); the openai-client part again on a synthetic Qwen3-MoE. scripts/install-test-packages installs lavapipe, Chromium
+# venv lives in ~/.cache/ingot); the openai-client part again on a synthetic Qwen3-MoE and
+# on a synthetic Qwen3 split over two CPU ranks (--tensor-parallel-size 2).
+# scripts/install-test-packages installs lavapipe, Chromium
 # and Prometheus from Debian's packages where missing.
 test: model
 	scripts/install-test-packages
@@ -40,6 +42,11 @@ test: model
 	  vocab=32000 hidden=256 layers=2 heads=4 kv_heads=2 head_dim=64 experts=16 per_token=4 \
 	  expert_width=128 max_positions=4096
 	cd tests/python && INGOT_TEST_MODEL="$(CURDIR)/target/synthetic-qwen3-moe" \
+	  "$$(../../scripts/python-test-env)" -m pytest -q test_openai_client.py
+	$(TARGET_DIR)/debug/examples/synthetic qwen3 target/synthetic-qwen3 \
+	  vocab=32000 hidden=256 intermediate=512 layers=2 heads=4 kv_heads=2 head_dim=64 max_positions=4096
+	cd tests/python && INGOT_TEST_MODEL="$(CURDIR)/target/synthetic-qwen3" \
+	  INGOT_SERVE_ARGS="--tensor-parallel-size 2" \
 	  "$$(../../scripts/python-test-env)" -m pytest -q test_openai_client.py
 
 # Side-by-side CPU throughput with llama.cpp on the same GGUF (builds llama-bench once).

@@ -1,5 +1,5 @@
 //! Tensor parallelism on CPU ranks ([`ingot_backend::cpu::HostGroup`]): a model split over
-//! 2 ranks gives the logits and tokens of the whole model on one device.
+//! 2 or 4 ranks gives the logits and tokens of the whole model on one device.
 
 mod common;
 
@@ -19,6 +19,17 @@ fn models_split_over_two_ranks_equal_one_device() {
     common::tensor_parallel_matches_one_device(
         cpus,
         2,
+        &[Arch::Llama, Arch::Qwen2, Arch::Qwen3],
+        1e-5,
+    );
+}
+
+/// Four ranks: one attention head and one KV head each.
+#[test]
+fn models_split_over_four_ranks_equal_one_device() {
+    common::tensor_parallel_matches_one_device(
+        cpus,
+        4,
         &[Arch::Llama, Arch::Qwen2, Arch::Qwen3],
         1e-5,
     );

@@ -690,8 +690,12 @@ pub fn tensor_parallel_matches_one_device<B: Backend + 'static>(
 ) {
     use ingot_model::synthetic::SyntheticSpec;
     for &arch in archs {
-        let spec = SyntheticSpec::tiny(arch);
-        let dir = std::env::temp_dir().join(format!("ingot-tp-{arch:?}-{}", std::process::id()));
+        // As many KV heads as ranks at least, so that each rank has whole ones.
+        let mut spec = SyntheticSpec::tiny(arch);
+        spec.num_kv_heads = spec.num_kv_heads.max(size);
+        spec.num_heads = spec.num_heads.max(size);
+        let dir =
+            std::env::temp_dir().join(format!("ingot-tp{size}-{arch:?}-{}", std::process::id()));
         spec.write(&dir).unwrap();
         let seqs = random_seqs(5, &[1, 15, 17, 40], spec.vocab_size);
         let mut whole = tensor_parallel_runner(open(1), &dir, WeightDType::F32);
