@@ -189,8 +189,9 @@ pub fn matmul_then_add<B: Backend + ?Sized>(
 }
 
 /// [`Backend::rms_norm_gated_mlp_add`]'s default: [`Backend::rms_norm`] into `normed`,
-/// [`Backend::gated_mlp`] into `product`, then [`Backend::add_assign`]; also the path of a
-/// backend whose fusion does not take the shape.
+/// [`Backend::gated_mlp`] into `product`, then [`Backend::add_assign`] (or the MLP straight
+/// into `residual` where it does not `accumulate`); also the path of a backend whose fusion
+/// does not take the shape.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_gated_mlp_then_add<B: Backend + ?Sized>(
     b: &B,
@@ -205,8 +206,18 @@ pub fn rms_norm_gated_mlp_then_add<B: Backend + ?Sized>(
     scratch: MlpScratch<'_, B>,
     normed: &mut B::Buffer,
     product: &mut B::Buffer,
+    accumulate: bool,
 ) {
     b.rms_norm(residual, unit, eps, m, k, normed);
+    if !accumulate {
+        let out = MatmulOut {
+            buf: residual,
+            row_stride: k,
+            col_offset: 0,
+        };
+        b.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
+        return;
+    }
     let out = MatmulOut {
         buf: &mut *product,
         row_stride: k,
@@ -688,7 +699,10 @@ pub trait Backend: Send + Sync {
 
     /// `residual += gated_mlp(rms_norm(residual))` for a norm whose weights are folded into
     /// `gate_up` (`unit` holds `k` ones; `down` has `k` rows): [`Backend::rms_norm`] into
-    /// `normed`, [`Backend::gated_mlp`] into `product`, then [`Backend::add_assign`].
+    /// `normed`, [`Backend::gated_mlp`] into `product`, then [`Backend::add_assign`]. Where
+    /// `accumulate` is false, `residual = gated_mlp(rms_norm(residual))`: a tensor-parallel
+    /// rank after the first, whose partial sum the all-reduce adds to the first rank's
+    /// residual.
     #[allow(clippy::too_many_arguments)]
     fn rms_norm_gated_mlp_add(
         &self,
@@ -703,9 +717,11 @@ pub trait Backend: Send + Sync {
         scratch: MlpScratch<'_, Self>,
         normed: &mut Self::Buffer,
         product: &mut Self::Buffer,
+        accumulate: bool,
     ) {
         rms_norm_gated_mlp_then_add(
             self, residual, unit, eps, gate_up, down, m, k, ffn, scratch, normed, product,
+            accumulate,
         );
     }
 

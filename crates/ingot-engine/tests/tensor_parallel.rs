@@ -35,6 +35,23 @@ fn models_split_over_four_ranks_equal_one_device() {
     );
 }
 
+/// Ranks that fold the norms into the products (as CUDA does): the first adds its partial
+/// sums into the residual stream, the others write theirs in its place.
+#[test]
+fn ranks_folding_norms_equal_one_device() {
+    let folding = |n| {
+        (0..n)
+            .map(|_| CpuBackend::new(Some(1)).unwrap().folding_norm_weights(true))
+            .collect()
+    };
+    common::tensor_parallel_matches_one_device(
+        folding,
+        2,
+        &[Arch::Llama, Arch::Qwen2, Arch::Qwen3],
+        1e-5,
+    );
+}
+
 /// A rank that fails aborts its group (as a peer's runner does with its error): the other
 /// ranks' collectives return instead of waiting for it, and the step fails with the cause.
 #[test]

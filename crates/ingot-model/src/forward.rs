@@ -316,9 +316,18 @@ impl<B: Backend> Model<B> {
                 &mut a.attn,
             );
             if let Some(unit) = folded {
-                layer
-                    .o
-                    .forward_add(b, &a.attn, t, &mut a.proj, &mut a.hidden);
+                // Under tensor parallelism the first rank adds its partial sums into the
+                // residual stream and the others write theirs in its place: the all-reduce
+                // of the stream then completes both the products and the residual add.
+                let first = self.collective.as_ref().is_none_or(|c| c.rank() == 0);
+                if first {
+                    layer
+                        .o
+                        .forward_add(b, &a.attn, t, &mut a.proj, &mut a.hidden);
+                } else {
+                    layer.o.forward(b, &a.attn, t, &mut a.hidden);
+                }
+                self.all_reduce(b, &mut a.hidden, t * d);
                 let bufs = MlpBuffers {
                     scratch: MlpScratch {
                         gate_up: &mut a.gate_up,
@@ -327,7 +336,8 @@ impl<B: Backend> Model<B> {
                     moe: a.moe.as_mut(),
                 };
                 let (normed, proj) = (&mut a.normed, &mut a.proj);
-                layer.mlp_add(b, &mut a.hidden, unit, eps, t, bufs, normed, proj);
+                layer.mlp_add(b, &mut a.hidden, unit, eps, t, bufs, normed, proj, first);
+                self.all_reduce(b, &mut a.hidden, t * d);
                 continue;
             }
             layer.o.forward(b, &a.attn, t, &mut a.proj);

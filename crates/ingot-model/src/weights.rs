@@ -242,7 +242,9 @@ impl<B: Backend> LayerWeights<B> {
     /// `residual += mlp(rms_norm(residual))` with the norm folded into the matrices after
     /// it (`unit`: its weights, ones): one [`Backend::rms_norm_gated_mlp_add`] where the
     /// dense MLP is one gated MLP; otherwise the norm into `normed`, then the MLP into
-    /// `product` and the add, or a mixture of experts adding into `residual` itself.
+    /// `product` and the add, or a mixture of experts adding into `residual` itself. Where
+    /// `accumulate` is false (a dense MLP on a tensor-parallel rank after the first),
+    /// `residual = mlp(rms_norm(residual))`.
     #[allow(clippy::too_many_arguments)]
     pub fn mlp_add(
         &self,
@@ -254,10 +256,22 @@ impl<B: Backend> LayerWeights<B> {
         bufs: MlpBuffers<'_, B>,
         normed: &mut B::Buffer,
         product: &mut B::Buffer,
+        accumulate: bool,
     ) {
         match &self.mlp {
-            Mlp::Dense(mlp) => {
-                mlp.forward_add(b, residual, unit, eps, rows, bufs.scratch, normed, product)
+            Mlp::Dense(mlp) => mlp.forward_add(
+                b,
+                residual,
+                unit,
+                eps,
+                rows,
+                bufs.scratch,
+                normed,
+                product,
+                accumulate,
+            ),
+            Mlp::Experts(_) if !accumulate => {
+                unreachable!("mixture-of-experts models are not split across devices")
             }
             Mlp::Experts(moe) => {
                 let buf = bufs.moe.expect("a model with experts has their buffers");
@@ -309,7 +323,8 @@ impl<B: Backend> DenseMlp<B> {
         }
     }
 
-    /// `residual += forward(rms_norm(residual))` with the norm folded into gate/up.
+    /// `residual += forward(rms_norm(residual))` with the norm folded into gate/up, or
+    /// `residual = …` where it does not `accumulate`.
     #[allow(clippy::too_many_arguments)]
     fn forward_add(
         &self,
@@ -321,14 +336,19 @@ impl<B: Backend> DenseMlp<B> {
         scratch: MlpScratch<'_, B>,
         normed: &mut B::Buffer,
         product: &mut B::Buffer,
+        accumulate: bool,
     ) {
         let (k, ffn) = (self.gate_up.in_features, self.down.in_features);
         match (self.gate_up.parts.as_slice(), self.down.parts.as_slice()) {
             ([gu], [d]) if gu.bias.is_none() && d.bias.is_none() && d.rows == k => {
                 let (gu, d) = (&gu.weight, &d.weight);
                 b.rms_norm_gated_mlp_add(
-                    residual, unit, eps, gu, d, rows, k, ffn, scratch, normed, product,
+                    residual, unit, eps, gu, d, rows, k, ffn, scratch, normed, product, accumulate,
                 );
+            }
+            _ if !accumulate => {
+                b.rms_norm(residual, unit, eps, rows, k, normed);
+                self.forward(b, normed, rows, scratch, residual);
             }
             _ => {
                 b.rms_norm(residual, unit, eps, rows, k, normed);
@@ -669,10 +689,8 @@ impl<B: Backend> Weights<B> {
             .with_context(|| format!("{}: missing weight Q of layer 0", ckpt.path().display()))?;
         let activation = b.activation_dtype(dtype.apply(q0.dtype));
         // Folding norms needs float matrices (the first query projection's dtype stands
-        // for them); a tensor-parallel rank runs the unfused path, whose residual adds take
-        // the all-reduced sums.
-        let fold = tp.size == 1
-            && b.folds_norm_weights()
+        // for them).
+        let fold = b.folds_norm_weights()
             && b.weight_dtype(dtype.apply(q0.dtype), activation)
                 .block_len()
                 == 1;

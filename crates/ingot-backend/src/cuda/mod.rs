@@ -1199,6 +1199,7 @@ impl Backend for CudaBackend {
         scratch: MlpScratch<'_, Self>,
         _normed: &mut CudaBuffer,
         _product: &mut CudaBuffer,
+        accumulate: bool,
     ) {
         let gemv = self.gemv_fits(residual, gate_up, m, k, None)
             && self.gemv_fits(scratch.gate_up, down, m, ffn, None);
@@ -1235,7 +1236,7 @@ impl Backend for CudaBackend {
                 k,
                 ffn,
                 out,
-                true,
+                accumulate,
                 0.0,
             );
             return;
@@ -1266,7 +1267,7 @@ impl Backend for CudaBackend {
             row_stride: k,
             col_offset: 0,
         };
-        self.product(scratch.act, down, None, m, k, ffn, out, true);
+        self.product(scratch.act, down, None, m, k, ffn, out, accumulate);
     }
 
     fn attention_workspace_len(&self, layout: QkvLayout, max_seqs: usize) -> usize {

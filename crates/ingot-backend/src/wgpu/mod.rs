@@ -1073,10 +1073,12 @@ impl Backend for WgpuBackend {
         scratch: MlpScratch<'_, Self>,
         normed: &mut WgpuBuffer,
         product: &mut WgpuBuffer,
+        accumulate: bool,
     ) {
-        if !takes_wide_gemv(m, k) {
+        if !takes_wide_gemv(m, k) || !accumulate {
             return crate::rms_norm_gated_mlp_then_add(
                 self, residual, unit, eps, gate_up, down, m, k, ffn, scratch, normed, product,
+                accumulate,
             );
         }
         let normed_silu = GemvEpilogue {

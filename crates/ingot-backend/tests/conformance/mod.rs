@@ -916,7 +916,7 @@ pub fn gated_mlp_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
 
 /// The ops of a layer whose norms are folded into its matrices
 /// ([`Backend::folds_norm_weights`]): `rms_norm_matmul` (with and without bias),
-/// `matmul_add` and `rms_norm_gated_mlp_add`, against the CPU's (the default compositions
+/// `matmul_add` and `rms_norm_gated_mlp_add` (adding and not), against the CPU's (the default compositions
 /// of rms_norm, matmul, gated_mlp and add_assign), at decode and prefill row counts and at
 /// k that the GEMVs do not take (k % 8 != 0).
 pub fn residual_stream_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
@@ -1037,53 +1037,58 @@ pub fn residual_stream_ops_match_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                 dtype,
                 &format!("matmul_add {what}"),
             );
-            // residual += mlp(rms_norm(residual)).
-            let mut residual = up(g, &x, dtype);
-            let (mut gu_s, mut act_s) =
-                (poisoned(g, dtype, m * 2 * ffn), poisoned(g, dtype, m * ffn));
-            let (mut normed, mut product) = (poisoned(g, dtype, m * k), poisoned(g, dtype, m * k));
-            g.rms_norm_gated_mlp_add(
-                &mut residual,
-                &up(g, &unit, DType::F32),
-                eps,
-                &up_raw(g, &gu_data, wd, 2 * ffn * k),
-                &gdown,
-                m,
-                k,
-                ffn,
-                MlpScratch {
-                    gate_up: &mut gu_s,
-                    act: &mut act_s,
-                },
-                &mut normed,
-                &mut product,
-            );
-            let mut cresidual = up(&c, &x, DType::F32);
-            let mut cgu = c.alloc(DType::F32, m * 2 * ffn).unwrap();
-            let mut cact = c.alloc(DType::F32, m * ffn).unwrap();
-            let mut cnormed = c.alloc(DType::F32, m * k).unwrap();
-            c.rms_norm_gated_mlp_add(
-                &mut cresidual,
-                &up(&c, &unit, DType::F32),
-                eps,
-                &up(&c, &gu, DType::F32),
-                &cdown,
-                m,
-                k,
-                ffn,
-                MlpScratch {
-                    gate_up: &mut cgu,
-                    act: &mut cact,
-                },
-                &mut cnormed,
-                &mut cproduct,
-            );
-            check(
-                &g.download_f32(&residual, m * k).unwrap(),
-                &c.download_f32(&cresidual, m * k).unwrap(),
-                dtype,
-                &format!("rms_norm_gated_mlp_add {what}"),
-            );
+            // residual += mlp(rms_norm(residual)), and residual = mlp(rms_norm(residual)).
+            for accumulate in [true, false] {
+                let mut residual = up(g, &x, dtype);
+                let (mut gu_s, mut act_s) =
+                    (poisoned(g, dtype, m * 2 * ffn), poisoned(g, dtype, m * ffn));
+                let (mut normed, mut product) =
+                    (poisoned(g, dtype, m * k), poisoned(g, dtype, m * k));
+                g.rms_norm_gated_mlp_add(
+                    &mut residual,
+                    &up(g, &unit, DType::F32),
+                    eps,
+                    &up_raw(g, &gu_data, wd, 2 * ffn * k),
+                    &gdown,
+                    m,
+                    k,
+                    ffn,
+                    MlpScratch {
+                        gate_up: &mut gu_s,
+                        act: &mut act_s,
+                    },
+                    &mut normed,
+                    &mut product,
+                    accumulate,
+                );
+                let mut cresidual = up(&c, &x, DType::F32);
+                let mut cgu = c.alloc(DType::F32, m * 2 * ffn).unwrap();
+                let mut cact = c.alloc(DType::F32, m * ffn).unwrap();
+                let mut cnormed = c.alloc(DType::F32, m * k).unwrap();
+                c.rms_norm_gated_mlp_add(
+                    &mut cresidual,
+                    &up(&c, &unit, DType::F32),
+                    eps,
+                    &up(&c, &gu, DType::F32),
+                    &cdown,
+                    m,
+                    k,
+                    ffn,
+                    MlpScratch {
+                        gate_up: &mut cgu,
+                        act: &mut cact,
+                    },
+                    &mut cnormed,
+                    &mut cproduct,
+                    accumulate,
+                );
+                check(
+                    &g.download_f32(&residual, m * k).unwrap(),
+                    &c.download_f32(&cresidual, m * k).unwrap(),
+                    dtype,
+                    &format!("rms_norm_gated_mlp_add {what} accumulate {accumulate}"),
+                );
+            }
         }
     }
 }
