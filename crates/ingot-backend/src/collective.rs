@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 static ABORTED: AtomicBool = AtomicBool::new(false);
 
-/// Whether a group of this process was aborted: its communicators may still be tearing
+/// Whether a group of this process was aborted: NCCL's communicators may still be tearing
 /// down on another thread, which the libraries' exit handlers must not run beside (on 2x
 /// H200 with NCCL 2.28.3 they crashed the exit), so such a process ends without them.
 pub fn any_aborted() -> bool {

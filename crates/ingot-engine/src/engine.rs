@@ -933,9 +933,9 @@ impl<B: Backend> Engine<B> {
             }
             input.query_start_loc.push(input.token_ids.len() as u32);
             input.seq_lens.push((sch.start + sch.len) as u32);
-            let mut table = seq.block_table.clone();
-            table.resize(input.max_blocks_per_seq, 0);
-            input.block_tables.extend(table);
+            let row_end = input.block_tables.len() + input.max_blocks_per_seq;
+            input.block_tables.extend_from_slice(&seq.block_table);
+            input.block_tables.resize(row_end, 0);
             let end = input.token_ids.len() as u32;
             let row = match self.pooling.as_ref().map(|p| p.kind) {
                 // Every sequence of the step has its sum, in order.

@@ -110,6 +110,7 @@ impl<B: Backend<Buffer = CpuBuffer>> Collective<B> for HostRank {
     }
 
     fn abort(&self, why: &str) {
+        crate::collective::note_abort();
         let mut s = self.group.lock();
         s.failure
             .get_or_insert_with(|| format!("rank {}: {why}", self.rank));
