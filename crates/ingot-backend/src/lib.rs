@@ -209,22 +209,19 @@ pub fn rms_norm_gated_mlp_then_add<B: Backend + ?Sized>(
     accumulate: bool,
 ) {
     b.rms_norm(residual, unit, eps, m, k, normed);
-    if !accumulate {
-        let out = MatmulOut {
-            buf: residual,
-            row_stride: k,
-            col_offset: 0,
-        };
-        b.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
-        return;
-    }
     let out = MatmulOut {
-        buf: &mut *product,
+        buf: if accumulate {
+            &mut *product
+        } else {
+            &mut *residual
+        },
         row_stride: k,
         col_offset: 0,
     };
     b.gated_mlp(normed, gate_up, down, m, k, ffn, k, scratch, out);
-    b.add_assign(residual, product, m * k);
+    if accumulate {
+        b.add_assign(residual, product, m * k);
+    }
 }
 
 /// What a mixture of experts' layer writes besides its output: the router's f32 logits

@@ -87,8 +87,6 @@ struct Inner {
     max_model_len: usize,
     pooling: Option<Pooling>,
     hidden_size: usize,
-    /// Why the engine thread ended on its own, once it did.
-    stopped: Arc<Mutex<Option<String>>>,
     /// Why its tensor-parallel group failed, once it did (the thread may still be running).
     group_failure: Box<dyn Fn() -> Option<String> + Send + Sync>,
 }
@@ -127,16 +125,10 @@ impl EngineHandle {
         let pooling = engine.pooling().cloned();
         let hidden_size = engine.hidden_size();
         let shared = stats.clone();
-        let stopped = Arc::new(Mutex::new(None));
-        let why = stopped.clone();
         let group_failure = Box::new(engine.failure_watch());
         let thread = std::thread::Builder::new()
             .name("ingot-engine".into())
-            .spawn(move || {
-                if let Some(e) = run(&mut engine, rx, &shared) {
-                    *why.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                }
-            })
+            .spawn(move || run(&mut engine, rx, &shared))
             .expect("spawn the engine thread");
         let inner = Inner {
             commands: Some(tx),
@@ -148,7 +140,6 @@ impl EngineHandle {
             max_model_len,
             pooling,
             hidden_size,
-            stopped,
             group_failure,
         };
         EngineHandle {
@@ -182,11 +173,11 @@ impl EngineHandle {
     /// Why the engine thread stopped by itself (a tensor-parallel rank failed), once it
     /// did: requests are refused from then on, and a server should exit.
     pub fn stopped(&self) -> Option<String> {
-        self.inner
-            .stopped
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        let thread = self.inner.thread.as_ref();
+        thread
+            .is_some_and(|t| t.is_finished())
+            .then(|| self.group_failure())
+            .flatten()
     }
 
     /// Why a rank of the engine's tensor-parallel group failed, as soon as it did: the
@@ -433,20 +424,16 @@ fn handle<B: Backend>(engine: &mut Engine<B>, state: &mut Loop, cmd: Command) {
     }
 }
 
-/// Serves commands until every handle is gone (`None`), or until the engine can run no
-/// more steps (`Some` with the cause).
-fn run<B: Backend>(
-    engine: &mut Engine<B>,
-    rx: Receiver<Command>,
-    stats: &Mutex<EngineStats>,
-) -> Option<String> {
+/// Serves commands until every handle is gone, or until the engine can run no more steps
+/// (its tensor-parallel group failed).
+fn run<B: Backend>(engine: &mut Engine<B>, rx: Receiver<Command>, stats: &Mutex<EngineStats>) {
     let mut state = Loop::default();
     loop {
         // Idle: sleep until a command arrives; busy: take what is queued and keep stepping.
         if !engine.has_work() {
             match rx.recv() {
                 Ok(cmd) => handle(engine, &mut state, cmd),
-                Err(_) => return None,
+                Err(_) => return,
             }
         }
         let mut mark = Instant::now();
@@ -489,7 +476,7 @@ fn run<B: Backend>(
                     }
                     if let Some(why) = engine.stopped() {
                         tracing::error!("the engine stops: {why}");
-                        return Some(why);
+                        return;
                     }
                 }
             }

@@ -254,7 +254,7 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Why the tensor-parallel group stopped, once a rank failed: no step runs after that.
     pub fn stopped(&self) -> Option<String> {
-        self.model.collective.as_ref().and_then(|c| c.failure())
+        self.model.group_failure()
     }
 
     /// Runs one step and returns `[logits_indices.len(), vocab]` logits.
@@ -450,7 +450,7 @@ impl<B: Backend> ModelRunner<B> {
                 first_error.get_or_insert(e.context(format!("tensor-parallel rank {}", p.rank)));
             }
         }
-        if let Some(why) = self.model.collective.as_ref().and_then(|c| c.failure()) {
+        if let Some(why) = self.stopped() {
             first_error.get_or_insert(anyhow::anyhow!("tensor-parallel group stopped: {why}"));
         }
         match first_error {
@@ -529,7 +529,7 @@ impl<B: Backend> ModelRunner<B> {
             Some(bucket) if self.warm_buckets.contains(&bucket) => {
                 // A graph queues its collectives without asking the group, so once the
                 // group has failed (its communicators aborted) none is replayed.
-                if let Some(why) = model.collective.as_ref().and_then(|c| c.failure()) {
+                if let Some(why) = model.group_failure() {
                     bail!("tensor-parallel group stopped: {why}");
                 }
                 b.run_recorded(bucket as u64, &mut step)?

@@ -220,6 +220,11 @@ pub struct Model<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
+    /// Why this model's tensor-parallel group stopped, once a rank failed.
+    pub fn group_failure(&self) -> Option<String> {
+        self.collective.as_ref().and_then(|c| c.failure())
+    }
+
     /// Completes a rank's partial output product: the sum over the group, in place.
     fn all_reduce(&self, b: &B, partial: &mut B::Buffer, numel: usize) {
         if let Some(c) = &self.collective {

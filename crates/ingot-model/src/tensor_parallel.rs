@@ -85,16 +85,6 @@ impl TpRank {
             }
         })
     }
-
-    /// This rank's slice of the whole model's weight `t` in `role`.
-    pub fn split<'a>(
-        &self,
-        role: Role,
-        t: HostTensor<'a>,
-        full: &ModelConfig,
-    ) -> Result<HostTensor<'a>> {
-        self.cut(role, full)?.apply(t)
-    }
 }
 
 /// The part of a weight one rank holds.
@@ -240,18 +230,25 @@ mod tests {
         let (q, k) = (cfg.q_size(), cfg.hidden_size);
 
         let (vals, t) = matrix(q, k);
-        let s = tp.split(Role::Q, t, &cfg).unwrap();
+        let s = tp.cut(Role::Q, &cfg).unwrap().apply(t).unwrap();
         assert_eq!(s.shape, [q / 2, k]);
         assert_eq!(s.to_f32(), vals[q / 2 * k..]);
 
         let (vals, t) = matrix(k, q);
-        let s = tp.split(Role::O, t, &cfg).unwrap();
+        let s = tp.cut(Role::O, &cfg).unwrap().apply(t).unwrap();
         assert_eq!(s.shape, [k, q / 2]);
         let expect: Vec<f32> = vals.chunks(q).flat_map(|r| r[q / 2..].to_vec()).collect();
         assert_eq!(s.to_f32(), expect);
 
         let (vals, t) = matrix(cfg.vocab_size, k);
-        assert_eq!(tp.split(Role::Embed, t, &cfg).unwrap().to_f32(), vals);
+        assert_eq!(
+            tp.cut(Role::Embed, &cfg)
+                .unwrap()
+                .apply(t)
+                .unwrap()
+                .to_f32(),
+            vals
+        );
     }
 
     #[test]

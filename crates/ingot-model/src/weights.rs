@@ -346,14 +346,17 @@ impl<B: Backend> DenseMlp<B> {
                     residual, unit, eps, gu, d, rows, k, ffn, scratch, normed, product, accumulate,
                 );
             }
-            _ if !accumulate => {
-                b.rms_norm(residual, unit, eps, rows, k, normed);
-                self.forward(b, normed, rows, scratch, residual);
-            }
             _ => {
                 b.rms_norm(residual, unit, eps, rows, k, normed);
-                self.forward(b, normed, rows, scratch, product);
-                b.add_assign(residual, product, rows * self.down.out_features());
+                let out = if accumulate {
+                    &mut *product
+                } else {
+                    &mut *residual
+                };
+                self.forward(b, normed, rows, scratch, out);
+                if accumulate {
+                    b.add_assign(residual, product, rows * self.down.out_features());
+                }
             }
         }
     }
