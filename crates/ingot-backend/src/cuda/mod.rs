@@ -11,6 +11,7 @@ mod gemm;
 mod library;
 mod module;
 mod nccl;
+mod peer_all_reduce;
 mod tma_product;
 
 pub use library::search_dirs;
@@ -57,7 +58,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 31] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 35] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -89,6 +90,10 @@ const KERNEL_DEFINITIONS: [(&str, usize); 31] = [
     ("QMMA_WARPS", quant::MMA_WARPS),
     ("QMMA_CHUNK", quant::MMA_CHUNK),
     ("QMMA_XS_ROW", quant::MMA_XS_ROW),
+    ("AR_MAX_RANKS", peer_all_reduce::MAX_RANKS),
+    ("AR_MAX_BLOCKS", peer_all_reduce::MAX_BLOCKS),
+    ("AR_THREADS", peer_all_reduce::THREADS),
+    ("AR_VECTORS", peer_all_reduce::VECTORS),
 ];
 /// Most rows `rope_kv_write` runs with a block per head; more take a block per row.
 const DECODE_ROPE_ROWS: usize = 64;

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// Each program compiles on its own thread; `common.cuh` is prepended to each.
-pub const PROGRAMS: [(&str, &str); 7] = [
+pub const PROGRAMS: [(&str, &str); 8] = [
     ("elementwise", include_str!("kernels/elementwise.cu")),
     ("attention", include_str!("kernels/attention.cu")),
     ("sampling", include_str!("kernels/sampling.cu")),
@@ -20,6 +20,7 @@ pub const PROGRAMS: [(&str, &str); 7] = [
     ("tma_product", include_str!("kernels/tma_product.cu")),
     ("moe", include_str!("kernels/moe.cu")),
     ("quant", include_str!("kernels/quant.cu")),
+    ("all_reduce", include_str!("kernels/all_reduce.cu")),
 ];
 
 /// The program that defines kernel `name` (an index into [`PROGRAMS`]), from the name's
@@ -37,6 +38,8 @@ fn program_of(name: &str) -> usize {
         5
     } else if name.starts_with("quant_") {
         6
+    } else if name.starts_with("all_reduce_") {
+        7
     } else {
         0
     }

@@ -1,11 +1,13 @@
 //! A tensor-parallel group of GPUs in one process, joined by NCCL: one communicator per
 //! device, each collective queued on its rank's stream (and captured into its CUDA
-//! graphs like the kernels around it).
+//! graphs like the kernels around it). Small all-reduces take the one-shot kernel over
+//! peer memory instead (`peer_all_reduce.rs`) where the GPUs reach each other's memory.
 //!
 //! NCCL is opened here rather than through cudarc: cudarc looks for `libnccl.so` and
 //! CUDA-versioned names, while NCCL installs (its Python wheel among them) ship
 //! `libnccl.so.2`; and the six calls below are the whole of what ingot uses.
 
+use super::peer_all_reduce::PeerMemory;
 use super::{library, CudaBackend, CudaBuffer};
 use crate::collective::Collective;
 use crate::DType;
@@ -84,10 +86,12 @@ struct Handle(Comm);
 unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
-/// The group's communicators, in rank order, and why it stopped, once it did.
+/// The group's communicators, in rank order, its peer memory, and why it stopped, once it
+/// did.
 struct Group {
     nccl: &'static Nccl,
     comms: Vec<Handle>,
+    peer: Option<PeerMemory>,
     failure: Mutex<Option<String>>,
 }
 
@@ -98,6 +102,9 @@ impl Drop for Group {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .is_some();
+        if let Some(p) = &mut self.peer {
+            p.release(aborted);
+        }
         if aborted {
             return;
         }
@@ -148,9 +155,21 @@ pub(super) fn group(devices: &[CudaBackend]) -> Result<Vec<Arc<dyn Collective<Cu
         version / 100 % 100,
         version % 100
     );
+    let comms: Vec<Handle> = comms.into_iter().map(Handle).collect();
+    let peer = match PeerMemory::new(devices) {
+        Ok(p) => p,
+        Err(e) => {
+            for c in &comms {
+                // SAFETY: fresh communicators with nothing queued.
+                unsafe { (nccl.comm_destroy)(c.0) };
+            }
+            return Err(e.context("setting up the one-shot all-reduce"));
+        }
+    };
     let group = Arc::new(Group {
         nccl,
-        comms: comms.into_iter().map(Handle).collect(),
+        comms,
+        peer,
         failure: Mutex::new(None),
     });
     Ok((0..devices.len())
@@ -184,8 +203,14 @@ impl NcclRank {
             other => bail!("no all-reduce of {other} activations"),
         };
         b.ctx.bind_to_thread()?;
-        let ptr = buf.ptr as *mut c_void;
         let g = &self.group;
+        let bytes = dtype.bytes_for(numel);
+        if let Some(p) = &g.peer {
+            if let Some(blocks) = p.blocks(bytes) {
+                return p.enqueue(b, self.rank, buf.ptr, dtype, bytes, blocks);
+            }
+        }
+        let ptr = buf.ptr as *mut c_void;
         // SAFETY: in place over `numel` live elements of the buffer, on the rank's stream.
         let r = unsafe {
             (g.nccl.all_reduce)(
@@ -212,8 +237,9 @@ impl Collective<CudaBackend> for NcclRank {
         self.group.comms.len()
     }
 
-    /// NCCL's ring and tree sums give every rank the same bits, added in an order NCCL
-    /// picks (fixed for a group and a size).
+    /// The one-shot kernel adds each element in rank order in f32 and rounds once; NCCL's
+    /// ring and tree sums give every rank the same bits too, added in an order NCCL picks
+    /// (fixed for a group and a size).
     fn all_reduce_sum(&self, b: &CudaBackend, buf: &mut CudaBuffer, dtype: DType, numel: usize) {
         if self.failure().is_some() {
             return;
@@ -239,6 +265,9 @@ impl Collective<CudaBackend> for NcclRank {
         // The ranks see the failure at once and stop; the process's exit ends what is left
         // on the devices.
         crate::collective::note_abort();
+        if let Some(p) = &g.peer {
+            p.abort();
+        }
         let group = g.clone();
         let spawned = std::thread::Builder::new()
             .name("nccl-abort".into())
