@@ -83,3 +83,16 @@ fn an_aborted_group_fails_the_step_with_the_cause_instead_of_hanging() {
         "tensor-parallel group stopped: rank 0: injected failure"
     );
 }
+
+/// Four ranks over two KV heads: each KV head on the two ranks whose query heads read it.
+#[test]
+fn ranks_past_the_kv_heads_replicate_them() {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        let spec = SyntheticSpec {
+            num_heads: 8,
+            num_kv_heads: 2,
+            ..SyntheticSpec::tiny(arch)
+        };
+        common::spec_over_ranks_matches_one_device(cpus, 4, &spec, 1e-5);
+    }
+}

@@ -5,7 +5,8 @@
 //! columns), so attention and the activation run on a rank's own slice; the o and down
 //! products are split by input columns, so each rank's output is a partial sum that one
 //! all-reduce completes. Embeddings, norms and the output projection stay whole on every
-//! rank.
+//! rank. Where the ranks outnumber the KV heads, each KV head is held by as many ranks as
+//! share its query heads (replicated, as vLLM does).
 
 use crate::checkpoint::{HostTensor, Role};
 use crate::config::ModelConfig;
@@ -36,7 +37,6 @@ impl TpRank {
         }
         for (what, count) in [
             ("attention heads", cfg.num_heads),
-            ("KV heads", cfg.num_kv_heads),
             ("MLP columns (intermediate_size)", cfg.intermediate_size),
         ] {
             ensure!(
@@ -44,9 +44,15 @@ impl TpRank {
                 "--tensor-parallel-size {n} does not divide the model's {count} {what}"
             );
         }
+        let kv = cfg.num_kv_heads;
+        ensure!(
+            kv.is_multiple_of(n) || n.is_multiple_of(kv),
+            "--tensor-parallel-size {n} neither divides the model's {kv} KV heads nor is a \
+             multiple of them"
+        );
         Ok(ModelConfig {
             num_heads: cfg.num_heads / n,
-            num_kv_heads: cfg.num_kv_heads / n,
+            num_kv_heads: kv.div_ceil(n),
             intermediate_size: cfg.intermediate_size / n,
             ..cfg.clone()
         })
@@ -68,7 +74,14 @@ impl TpRank {
         Ok(match role {
             Role::Q | Role::QBias => Cut::Rows(self.share(full.num_heads * hd)),
             Role::K | Role::V | Role::KBias | Role::VBias => {
-                Cut::Rows(self.share(full.num_kv_heads * hd))
+                let kv = full.num_kv_heads;
+                if kv.is_multiple_of(self.size) {
+                    Cut::Rows(self.share(kv * hd))
+                } else {
+                    // The KV head of this rank's query heads, held whole.
+                    let head = self.rank / (self.size / kv);
+                    Cut::Rows(head * hd..(head + 1) * hd)
+                }
             }
             Role::Gate | Role::Up => Cut::Rows(self.share(full.intermediate_size)),
             Role::O => Cut::Columns(self.share(full.num_heads * hd)),
@@ -251,13 +264,53 @@ mod tests {
         );
     }
 
+    /// Four ranks over two KV heads: ranks 0 and 1 hold KV head 0, ranks 2 and 3 head 1,
+    /// each with its own quarter of the query heads.
+    #[test]
+    fn ranks_past_the_kv_heads_share_them() {
+        let cfg = ModelConfig {
+            num_heads: 8,
+            ..tiny_config(Arch::Llama)
+        };
+        assert_eq!(cfg.num_kv_heads, 2);
+        let hd = cfg.head_dim;
+        for rank in 0..4 {
+            let tp = TpRank { rank, size: 4 };
+            let local = tp.shard_config(&cfg).unwrap();
+            assert_eq!((local.num_heads, local.num_kv_heads), (2, 1));
+            let head = rank / 2;
+            assert_eq!(
+                tp.cut(Role::K, &cfg).unwrap(),
+                super::Cut::Rows(head * hd..(head + 1) * hd)
+            );
+            assert_eq!(
+                tp.cut(Role::Q, &cfg).unwrap(),
+                super::Cut::Rows(rank * 2 * hd..(rank + 1) * 2 * hd)
+            );
+        }
+    }
+
     #[test]
     fn splits_that_do_not_divide_are_refused() {
-        let cfg = tiny_config(Arch::Llama);
-        let err = TpRank { rank: 0, size: 4 }.shard_config(&cfg).unwrap_err();
+        let cfg = ModelConfig {
+            num_heads: 6,
+            num_kv_heads: 3,
+            ..tiny_config(Arch::Llama)
+        };
+        let err = TpRank { rank: 0, size: 2 }.shard_config(&cfg).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "--tensor-parallel-size 4 does not divide the model's 2 KV heads"
+            "--tensor-parallel-size 2 neither divides the model's 3 KV heads nor is a \
+             multiple of them"
+        );
+        let cfg = tiny_config(Arch::Llama);
+        let err = TpRank { rank: 0, size: 8 }.shard_config(&cfg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "--tensor-parallel-size 8 does not divide the model's {} attention heads",
+                cfg.num_heads
+            )
         );
         let cfg = tiny_config(Arch::Qwen3Moe);
         let err = TpRank { rank: 0, size: 2 }.shard_config(&cfg).unwrap_err();

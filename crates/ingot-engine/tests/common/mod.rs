@@ -694,32 +694,47 @@ pub fn tensor_parallel_matches_one_device<B: Backend + 'static>(
         let mut spec = SyntheticSpec::tiny(arch);
         spec.num_kv_heads = spec.num_kv_heads.max(size);
         spec.num_heads = spec.num_heads.max(size);
-        let dir =
-            std::env::temp_dir().join(format!("ingot-tp{size}-{arch:?}-{}", std::process::id()));
-        spec.write(&dir).unwrap();
-        let seqs = random_seqs(5, &[1, 15, 17, 40], spec.vocab_size);
-        let mut whole = tensor_parallel_runner(open(1), &dir, WeightDType::F32);
-        let whole = run_mixed(&mut whole, &seqs, 3);
-        let mut split = tensor_parallel_runner(open(size), &dir, WeightDType::F32);
-        let split = run_mixed(&mut split, &seqs, 3);
-        std::fs::remove_dir_all(&dir).ok();
-        assert_eq!(whole.len(), split.len());
-        let mut worst = 0f32;
-        for (w, s) in whole.iter().zip(&split) {
-            assert_eq!((w.seq, w.pos), (s.seq, s.pos), "the same schedule");
-            let err = rel_err(&s.logits, &w.logits);
-            worst = worst.max(err);
-            let at = format!("{arch:?} over {size} ranks: seq {} pos {}", w.seq, w.pos);
-            assert!(err <= tol, "{at}: relative logit error {err}");
-            assert_eq!(
-                ingot_backend::first_argmax(&s.logits),
-                ingot_backend::first_argmax(&w.logits),
-                "{at}: greedy token"
-            );
-        }
-        println!(
-            "{arch:?} over {size} ranks: {} logit rows, max relative error {worst:.2e}",
-            whole.len()
+        spec_over_ranks_matches_one_device(&open, size, &spec, tol);
+    }
+}
+
+/// [`tensor_parallel_matches_one_device`] for one model, `spec`, over `size` ranks.
+pub fn spec_over_ranks_matches_one_device<B: Backend + 'static>(
+    open: impl Fn(usize) -> Vec<B>,
+    size: usize,
+    spec: &ingot_model::synthetic::SyntheticSpec,
+    tol: f32,
+) {
+    let arch = spec.arch;
+    let dir = std::env::temp_dir().join(format!(
+        "ingot-tp{size}-{arch:?}-kv{}-{}",
+        spec.num_kv_heads,
+        std::process::id()
+    ));
+    spec.write(&dir).unwrap();
+    let seqs = random_seqs(5, &[1, 15, 17, 40], spec.vocab_size);
+    let mut whole = tensor_parallel_runner(open(1), &dir, WeightDType::F32);
+    let whole = run_mixed(&mut whole, &seqs, 3);
+    let mut split = tensor_parallel_runner(open(size), &dir, WeightDType::F32);
+    let split = run_mixed(&mut split, &seqs, 3);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(whole.len(), split.len());
+    let mut worst = 0f32;
+    for (w, s) in whole.iter().zip(&split) {
+        assert_eq!((w.seq, w.pos), (s.seq, s.pos), "the same schedule");
+        let err = rel_err(&s.logits, &w.logits);
+        worst = worst.max(err);
+        let at = format!("{arch:?} over {size} ranks: seq {} pos {}", w.seq, w.pos);
+        assert!(err <= tol, "{at}: relative logit error {err}");
+        assert_eq!(
+            ingot_backend::first_argmax(&s.logits),
+            ingot_backend::first_argmax(&w.logits),
+            "{at}: greedy token"
         );
     }
+    println!(
+        "{arch:?} ({} KV heads) over {size} ranks: {} logit rows, max relative error {worst:.2e}",
+        spec.num_kv_heads,
+        whole.len()
+    );
 }
