@@ -48,7 +48,13 @@ fn tensor_parallel_matches_one_gpu() {
     common::tensor_parallel_matches_one_device(
         gpus,
         size,
-        &[Arch::Llama, Arch::Qwen2, Arch::Qwen3],
+        &[
+            Arch::Llama,
+            Arch::Qwen2,
+            Arch::Qwen3,
+            Arch::Qwen3Moe,
+            Arch::Mixtral,
+        ],
         1e-5,
     );
 }

@@ -84,6 +84,22 @@ fn an_aborted_group_fails_the_step_with_the_cause_instead_of_hanging() {
     );
 }
 
+/// Mixtures of experts: every expert split by its width, the router whole on every rank;
+/// on plain ranks and on ranks that fold the norms (the first adds into the residual
+/// stream, the others write in its place).
+#[test]
+fn mixtures_of_experts_split_over_ranks_equal_one_device() {
+    let archs = [Arch::Qwen3Moe, Arch::Mixtral];
+    common::tensor_parallel_matches_one_device(cpus, 2, &archs, 1e-5);
+    common::tensor_parallel_matches_one_device(cpus, 4, &archs, 1e-5);
+    let folding = |n| {
+        (0..n)
+            .map(|_| CpuBackend::new(Some(1)).unwrap().folding_norm_weights(true))
+            .collect()
+    };
+    common::tensor_parallel_matches_one_device(folding, 2, &archs, 1e-5);
+}
+
 /// Four ranks over two KV heads: each KV head on the two ranks whose query heads read it.
 #[test]
 fn ranks_past_the_kv_heads_replicate_them() {

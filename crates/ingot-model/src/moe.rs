@@ -81,7 +81,8 @@ impl<B: Backend> MoeWeights<B> {
     /// `residual += Σ_e w_e · expert_e(rms_norm(residual))` for a norm folded into the
     /// router and the experts (`unit`: its weights, ones): one
     /// [`Backend::rms_norm_moe_add`] where the router is one matrix without bias; otherwise
-    /// the norm into `normed`, then [`MoeWeights::forward`].
+    /// the norm into `normed`, then [`MoeWeights::forward`]. Where `accumulate` is false (a
+    /// tensor-parallel rank after the first), `residual = Σ_e …` instead.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_add(
         &self,
@@ -92,9 +93,10 @@ impl<B: Backend> MoeWeights<B> {
         rows: usize,
         buf: &mut MoeBuffers<B>,
         normed: &mut B::Buffer,
+        accumulate: bool,
     ) {
         match self.router.parts.as_slice() {
-            [p] if p.bias.is_none() => {
+            [p] if p.bias.is_none() && accumulate => {
                 let layer = MoeLayer {
                     router: &p.weight,
                     gate_up: &self.gate_up,
@@ -106,7 +108,7 @@ impl<B: Backend> MoeWeights<B> {
             }
             _ => {
                 b.rms_norm(residual, unit, eps, rows, self.router.in_features, normed);
-                self.forward(b, normed, rows, buf, residual, true);
+                self.forward(b, normed, rows, buf, residual, accumulate);
             }
         }
     }

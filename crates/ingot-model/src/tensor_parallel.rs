@@ -6,7 +6,10 @@
 //! products are split by input columns, so each rank's output is a partial sum that one
 //! all-reduce completes. Embeddings, norms and the output projection stay whole on every
 //! rank. Where the ranks outnumber the KV heads, each KV head is held by as many ranks as
-//! share its query heads (replicated, as vLLM does).
+//! share its query heads (replicated, as vLLM does). A mixture of experts splits every
+//! expert as a dense MLP (gate/up by rows, down by columns of the expert's width) and keeps
+//! the router whole, so every rank routes each token alike and the all-reduce after the
+//! layer sums the experts' partial outputs.
 
 use crate::checkpoint::{HostTensor, Role};
 use crate::config::ModelConfig;
@@ -32,13 +35,18 @@ impl TpRank {
             return Ok(cfg.clone());
         }
         ensure!(self.rank < n, "tensor-parallel rank {} of {n}", self.rank);
-        if cfg.moe.is_some() {
-            bail!("--tensor-parallel-size {n}: mixture-of-experts models are not split across devices yet");
-        }
+        let expert_width = cfg.moe.as_ref().map(|m| m.expert_intermediate_size);
         for (what, count) in [
-            ("attention heads", cfg.num_heads),
-            ("MLP columns (intermediate_size)", cfg.intermediate_size),
-        ] {
+            ("attention heads", Some(cfg.num_heads)),
+            (
+                "MLP columns (intermediate_size)",
+                Some(cfg.intermediate_size),
+            ),
+            ("expert MLP columns (moe_intermediate_size)", expert_width),
+        ]
+        .into_iter()
+        .filter_map(|(what, count)| Some((what, count?)))
+        {
             ensure!(
                 count.is_multiple_of(n),
                 "--tensor-parallel-size {n} does not divide the model's {count} {what}"
@@ -54,6 +62,10 @@ impl TpRank {
             num_heads: cfg.num_heads / n,
             num_kv_heads: kv.div_ceil(n),
             intermediate_size: cfg.intermediate_size / n,
+            moe: cfg.moe.as_ref().map(|m| crate::config::MoeConfig {
+                expert_intermediate_size: m.expert_intermediate_size / n,
+                ..m.clone()
+            }),
             ..cfg.clone()
         })
     }
@@ -86,17 +98,24 @@ impl TpRank {
             Role::Gate | Role::Up => Cut::Rows(self.share(full.intermediate_size)),
             Role::O => Cut::Columns(self.share(full.num_heads * hd)),
             Role::Down => Cut::Columns(self.share(full.intermediate_size)),
+            Role::ExpertGate(_) | Role::ExpertUp(_) => Cut::Rows(self.share(expert_width(full)?)),
+            Role::ExpertDown(_) => Cut::Columns(self.share(expert_width(full)?)),
             Role::Embed
             | Role::FinalNorm
             | Role::LmHead
             | Role::AttnNorm
             | Role::FfnNorm
             | Role::QNorm
-            | Role::KNorm => Cut::Whole,
-            Role::Router | Role::ExpertGate(_) | Role::ExpertUp(_) | Role::ExpertDown(_) => {
-                bail!("mixture-of-experts weights are not split across devices yet")
-            }
+            | Role::KNorm
+            | Role::Router => Cut::Whole,
         })
+    }
+}
+
+fn expert_width(cfg: &ModelConfig) -> Result<usize> {
+    match &cfg.moe {
+        Some(m) => Ok(m.expert_intermediate_size),
+        None => bail!("expert weights in a model without experts"),
     }
 }
 
@@ -312,8 +331,16 @@ mod tests {
                 cfg.num_heads
             )
         );
-        let cfg = tiny_config(Arch::Qwen3Moe);
-        let err = TpRank { rank: 0, size: 2 }.shard_config(&cfg).unwrap_err();
-        assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+        let cfg = tiny_config(Arch::Mixtral);
+        let err = TpRank { rank: 0, size: 32 }.shard_config(&cfg);
+        assert!(err.is_err(), "32 ranks over 4 heads");
+        let mut cfg = tiny_config(Arch::Qwen3Moe);
+        cfg.moe.as_mut().unwrap().expert_intermediate_size = 30;
+        let err = TpRank { rank: 0, size: 4 }.shard_config(&cfg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--tensor-parallel-size 4 does not divide the model's 30 expert MLP columns \
+             (moe_intermediate_size)"
+        );
     }
 }

@@ -243,7 +243,7 @@ impl<B: Backend> LayerWeights<B> {
     /// it (`unit`: its weights, ones): one [`Backend::rms_norm_gated_mlp_add`] where the
     /// dense MLP is one gated MLP; otherwise the norm into `normed`, then the MLP into
     /// `product` and the add, or a mixture of experts adding into `residual` itself. Where
-    /// `accumulate` is false (a dense MLP on a tensor-parallel rank after the first),
+    /// `accumulate` is false (a tensor-parallel rank after the first),
     /// `residual = mlp(rms_norm(residual))`.
     #[allow(clippy::too_many_arguments)]
     pub fn mlp_add(
@@ -270,12 +270,9 @@ impl<B: Backend> LayerWeights<B> {
                 product,
                 accumulate,
             ),
-            Mlp::Experts(_) if !accumulate => {
-                unreachable!("mixture-of-experts models are not split across devices")
-            }
             Mlp::Experts(moe) => {
                 let buf = bufs.moe.expect("a model with experts has their buffers");
-                moe.forward_add(b, residual, unit, eps, rows, buf, normed);
+                moe.forward_add(b, residual, unit, eps, rows, buf, normed, accumulate);
             }
         }
     }
