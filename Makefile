@@ -28,8 +28,9 @@ run: model build
 # NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run;
 # the wgpu tests run on Mesa's lavapipe), and the Python suite that drives `ingot serve`
 # with the official openai client, headless Chromium (the chat page) and Prometheus (its
-# venv lives in ~/.cache/ingot); the openai-client part again on a synthetic Qwen3-MoE and
-# on a synthetic Qwen3 split over two CPU ranks (--tensor-parallel-size 2).
+# venv lives in ~/.cache/ingot); the openai-client part again on a synthetic Qwen3-MoE (on
+# one device, then split over two CPU ranks) and on a synthetic Qwen3 over two CPU ranks
+# (--tensor-parallel-size 2).
 # scripts/install-test-packages installs lavapipe, Chromium
 # and Prometheus from Debian's packages where missing.
 test: model
@@ -42,6 +43,9 @@ test: model
 	  vocab=32000 hidden=256 layers=2 heads=4 kv_heads=2 head_dim=64 experts=16 per_token=4 \
 	  expert_width=128 max_positions=4096
 	cd tests/python && INGOT_TEST_MODEL="$(CURDIR)/target/synthetic-qwen3-moe" \
+	  "$$(../../scripts/python-test-env)" -m pytest -q test_openai_client.py
+	cd tests/python && INGOT_TEST_MODEL="$(CURDIR)/target/synthetic-qwen3-moe" \
+	  INGOT_SERVE_ARGS="--tensor-parallel-size 2" \
 	  "$$(../../scripts/python-test-env)" -m pytest -q test_openai_client.py
 	$(TARGET_DIR)/debug/examples/synthetic qwen3 target/synthetic-qwen3 \
 	  vocab=32000 hidden=256 intermediate=512 layers=2 heads=4 kv_heads=2 head_dim=64 max_positions=4096
