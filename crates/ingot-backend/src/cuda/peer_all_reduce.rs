@@ -1,9 +1,8 @@
 //! The one-shot all-reduce over peer memory (`kernels/all_reduce.cu`), for the messages of
 //! decode steps (up to 1 MiB: 64 rows of Llama-3.1-70B): every rank reads all ranks' buffers
-//! over NVLink in one kernel and sums them in rank order, as vLLM's custom all-reduce does,
-//! where NCCL's ring or tree spends a few kernel phases on each. On 2x H200 (2026-11-30,
-//! Llama-3.1-8B shapes at TP=2) decode ran 1.4-2.5% faster at batch 1 and 2.8% at batch 64
-//! than through NCCL (`docs/benchmarks.md`).
+//! over NVLink in one kernel and sums them in rank order, as vLLM's custom all-reduce does.
+//! On 2x H200 (2026-11-30, Llama-3.1-8B shapes at TP=2) decode ran 1.4-2.5% faster at batch
+//! 1 and 2.8% at batch 64 than through NCCL (`docs/benchmarks.md`).
 //!
 //! The ranks are threads of one process, so a peer's device memory is addressed directly
 //! once peer access is on: no IPC handles. Each rank has signal memory the others write
