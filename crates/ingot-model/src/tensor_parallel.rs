@@ -35,18 +35,15 @@ impl TpRank {
             return Ok(cfg.clone());
         }
         ensure!(self.rank < n, "tensor-parallel rank {} of {n}", self.rank);
-        let expert_width = cfg.moe.as_ref().map(|m| m.expert_intermediate_size);
-        for (what, count) in [
-            ("attention heads", Some(cfg.num_heads)),
-            (
-                "MLP columns (intermediate_size)",
-                Some(cfg.intermediate_size),
-            ),
-            ("expert MLP columns (moe_intermediate_size)", expert_width),
-        ]
-        .into_iter()
-        .filter_map(|(what, count)| Some((what, count?)))
-        {
+        let mut counts = vec![
+            ("attention heads", cfg.num_heads),
+            ("MLP columns (intermediate_size)", cfg.intermediate_size),
+        ];
+        if let Some(m) = &cfg.moe {
+            let what = "expert MLP columns (moe_intermediate_size)";
+            counts.push((what, m.expert_intermediate_size));
+        }
+        for (what, count) in counts {
             ensure!(
                 count.is_multiple_of(n),
                 "--tensor-parallel-size {n} does not divide the model's {count} {what}"

@@ -82,10 +82,7 @@ impl PeerMemory {
             devices.len()
         );
         for a in devices {
-            for b in devices {
-                if a.ctx.ordinal() == b.ctx.ordinal() {
-                    continue;
-                }
+            for b in others(devices, a) {
                 let mut can = 0;
                 // SAFETY: plain out-parameter; both devices exist.
                 unsafe {
@@ -104,10 +101,7 @@ impl PeerMemory {
         }
         for a in devices {
             a.ctx.bind_to_thread()?;
-            for b in devices {
-                if a.ctx.ordinal() == b.ctx.ordinal() {
-                    continue;
-                }
+            for b in others(devices, a) {
                 // SAFETY: `a`'s context is current; `b`'s is live.
                 let r = unsafe { sys::cuCtxEnablePeerAccess(b.ctx.cu_ctx(), 0) };
                 if r != sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
@@ -125,9 +119,7 @@ impl PeerMemory {
             let mut pool = std::ptr::null_mut();
             // SAFETY: plain out-parameter of a live device.
             unsafe { sys::cuDeviceGetMemPool(&mut pool, a.ctx.cu_device()) }.result()?;
-            let access: Vec<sys::CUmemAccessDesc> = devices
-                .iter()
-                .filter(|b| b.ctx.ordinal() != a.ctx.ordinal())
+            let access: Vec<sys::CUmemAccessDesc> = others(devices, a)
                 .map(|b| sys::CUmemAccessDesc {
                     location: sys::CUmemLocation {
                         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -173,6 +165,8 @@ impl PeerMemory {
             unsafe { sys::cuMemHostGetDevicePointer_v2(&mut p, host, 0) }.result()?;
             abort_device.push(p);
         }
+        // The signals are zeroed on their own rank's stream, but written by the peers'
+        // kernels, which that stream does not order.
         for d in devices {
             d.stream.synchronize()?;
         }
@@ -262,4 +256,14 @@ impl PeerMemory {
             sys::cuMemFreeHost(self.abort_host.cast());
         }
     }
+}
+
+/// The devices of `devices` other than `a`.
+fn others<'a>(
+    devices: &'a [CudaBackend],
+    a: &'a CudaBackend,
+) -> impl Iterator<Item = &'a CudaBackend> {
+    devices
+        .iter()
+        .filter(move |b| b.ctx.ordinal() != a.ctx.ordinal())
 }
