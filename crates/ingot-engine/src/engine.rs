@@ -277,27 +277,46 @@ struct Advancing {
 type Advanced = (Vec<(SeqId, Result<bool>)>, Duration);
 
 /// Computed masks: the constraints that hold them (and that the job took for any other
-/// reason), how many masks, the sum of their times and the wall time of the whole.
+/// reason), the same masks as the device takes them (`rows[i]`'s in row `i`, where
+/// `staged[i]`), how many, the sum of their times and the wall time of the whole.
 struct Masks {
     rows: Vec<(SeqId, Constraint)>,
+    staging: Vec<u32>,
+    staged: Vec<bool>,
     computed: usize,
     total: Duration,
     wall: Duration,
 }
 
-/// Computes the masks of the constraints flagged in `rows`, in parallel.
-fn compute_masks(mut rows: Vec<(SeqId, Constraint)>, wanted: &[bool]) -> Masks {
+/// Computes the masks of the constraints flagged in `wanted`, in parallel, and writes each
+/// into its row of `staging` (`words` words a row) on the same worker thread, so that the
+/// engine thread uploads them without gathering megabytes itself.
+fn compute_masks(
+    mut rows: Vec<(SeqId, Constraint)>,
+    wanted: &[bool],
+    mut staging: Vec<u32>,
+    words: usize,
+) -> Masks {
     let start = Instant::now();
-    let (total, computed) = rows
+    staging.resize(rows.len() * words, 0);
+    let done: Vec<Option<Duration>> = rows
         .par_iter_mut()
+        .zip(staging.par_chunks_mut(words))
         .zip(wanted)
-        .filter(|(_, &w)| w)
-        .map(|((_, c), _)| (c.compute_mask(), 1))
-        .reduce(|| (Duration::ZERO, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        .map(|(((_, c), row), &w)| {
+            if !w {
+                return None;
+            }
+            let took = c.compute_mask();
+            c.write_mask(row).then_some(took)
+        })
+        .collect();
     Masks {
         rows,
-        computed,
-        total,
+        staging,
+        computed: done.iter().flatten().count(),
+        total: done.iter().flatten().sum(),
+        staged: done.iter().map(Option::is_some).collect(),
         wall: start.elapsed(),
     }
 }
@@ -1036,10 +1055,11 @@ impl<B: Backend> Engine<B> {
             return;
         }
         let (tx, rx) = mpsc::channel();
+        let words = mask_words(self.runner.vocab_size());
         rayon::spawn(move || {
             let wanted = vec![true; rows.len()];
             // The engine waits for this unless it failed and went away.
-            let _ = tx.send(compute_masks(rows, &wanted));
+            let _ = tx.send(compute_masks(rows, &wanted, vec![], words));
         });
         self.mask_jobs.push(MaskJob(rx));
     }
@@ -1050,14 +1070,30 @@ impl<B: Backend> Engine<B> {
     fn finish_submit(&mut self) -> Result<Duration> {
         let mut mark = Instant::now();
         let (mut computed, mut wall) = (0, Duration::ZERO);
+        let words = mask_words(self.runner.vocab_size());
+        // The jobs' mask rows end to end (the first job's rows in place), and each staged
+        // sequence's row among them. The advance's job took the rows kept from the last
+        // step, and a step without it uses them here.
+        let mut masks = std::mem::take(&mut self.mask_rows);
+        masks.clear();
+        let mut staged_rows = HashMap::new();
         for MaskJob(rx) in std::mem::take(&mut self.mask_jobs) {
-            let masks = rx
+            let job = rx
                 .recv()
                 .map_err(|_| anyhow!("a structured-output mask worker failed"))?;
-            computed += masks.computed;
-            wall += masks.wall;
-            self.structured_stats.mask_seconds += masks.total.as_secs_f64();
-            for (id, c) in masks.rows {
+            computed += job.computed;
+            wall += job.wall;
+            self.structured_stats.mask_seconds += job.total.as_secs_f64();
+            let first_row = masks.len() / words;
+            if masks.is_empty() && job.staging.capacity() >= masks.capacity() {
+                masks = job.staging;
+            } else {
+                masks.extend_from_slice(&job.staging);
+            }
+            for (i, ((id, c), staged)) in job.rows.into_iter().zip(job.staged).enumerate() {
+                if staged {
+                    staged_rows.insert(id, (first_row + i) as u32);
+                }
                 // A stop string may have ended the sequence meanwhile.
                 if let Some(state) = self.seqs.get_mut(&id) {
                     state.constraint = Some(c);
@@ -1072,22 +1108,29 @@ impl<B: Backend> Engine<B> {
         }
         lap(&mut self.phases.wait_masks, &mut mark);
         let Some(f) = self.in_flight.as_mut() else {
+            self.mask_rows = masks;
             return Ok(Duration::ZERO);
         };
         let Some((mut rows, edits)) = f.device_rows.take() else {
+            self.mask_rows = masks;
             return Ok(Duration::ZERO);
         };
-        let words = mask_words(self.runner.vocab_size());
-        let mut masks = std::mem::take(&mut self.mask_rows);
-        masks.clear();
         for (row, id) in rows.iter_mut().zip(&f.sampled) {
+            if let Some(&r) = staged_rows.get(id) {
+                row.mask = r + 1;
+                continue;
+            }
+            // A mask computed in an earlier step (a sequence back from preemption) is
+            // copied here. A failed mask leaves the row unmasked: commit drops its token.
             let constraint = self.seqs.get(id).and_then(|s| s.constraint.as_ref());
-            // A failed mask leaves the row unmasked: commit drops its token.
-            if let Some(Ok(Some(mask))) = constraint.map(|c| c.allowed()) {
-                let n = mask.len().min(words);
-                masks.extend_from_slice(&mask[..n]);
-                masks.resize(masks.len() + words - n, 0);
-                row.mask = (masks.len() / words) as u32;
+            if let Some(c) = constraint {
+                let start = masks.len();
+                masks.resize(start + words, 0);
+                if c.write_mask(&mut masks[start..]) {
+                    row.mask = (masks.len() / words) as u32;
+                } else {
+                    masks.truncate(start);
+                }
             }
         }
         let started = Instant::now();
@@ -1365,10 +1408,16 @@ impl<B: Backend> Engine<B> {
         let ids = rows.iter().map(|(id, _)| *id).collect();
         let (accepted_tx, accepted_rx) = mpsc::channel();
         let (masks_tx, masks_rx) = mpsc::channel();
+        let staging = std::mem::take(&mut self.mask_rows);
+        let words = mask_words(self.runner.vocab_size());
+        // A matcher's step takes about a microsecond, less than waking a worker thread, so
+        // each thread takes one run of rows.
+        let run = rows.len().div_ceil(rayon::current_num_threads());
         rayon::spawn(move || {
             let start = Instant::now();
             let done: Vec<(SeqId, Result<bool>)> = rows
                 .par_iter_mut()
+                .with_min_len(run)
                 .zip(&tokens)
                 .map(|((id, c), &token)| (*id, c.accept(token)))
                 .collect();
@@ -1380,7 +1429,7 @@ impl<B: Backend> Engine<B> {
                 .collect();
             // The engine waits for both unless it failed and went away.
             let _ = accepted_tx.send((done, start.elapsed()));
-            let _ = masks_tx.send(compute_masks(rows, &wanted));
+            let _ = masks_tx.send(compute_masks(rows, &wanted, staging, words));
         });
         self.mask_jobs.push(MaskJob(masks_rx));
         self.advancing = Some(Advancing {

@@ -198,6 +198,18 @@ impl Constraint {
         }
     }
 
+    /// Copies the next token's bitmask into `row` (zero past the mask's end) where it is
+    /// computed; returns whether it was.
+    pub fn write_mask(&self, row: &mut [u32]) -> bool {
+        let Ok(Some(mask)) = self.allowed() else {
+            return false;
+        };
+        let n = mask.len().min(row.len());
+        row[..n].copy_from_slice(&mask[..n]);
+        row[n..].fill(0);
+        true
+    }
+
     /// Sets the logits of forbidden tokens to −∞; errors as [`allowed`](Self::allowed).
     pub fn apply(&self, logits: &mut [f32]) -> Result<()> {
         if let Some(mask) = self.allowed()? {
