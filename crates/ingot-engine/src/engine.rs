@@ -167,8 +167,7 @@ pub struct StructuredStats {
     pub mask_seconds: f64,
     /// Summed over steps: the wall time of each step's masks, computed in parallel.
     pub step_seconds: f64,
-    /// Summed over steps: the wall time of advancing each step's grammars past their new
-    /// tokens, in parallel.
+    /// Summed over sequences: the time of advancing their grammars past their new tokens.
     pub accept_seconds: f64,
 }
 
@@ -220,8 +219,9 @@ pub struct Engine<B: Backend> {
     /// Structured-output masks being computed for the step being submitted; their
     /// sequences' constraints are away meanwhile.
     mask_jobs: Vec<MaskJob>,
-    /// The grammars' advance past the tokens last read back, until settled.
-    advancing: Option<Advancing>,
+    /// Whether each grammar that advanced past the tokens last read back is now complete
+    /// (or why it refused its token), until settled.
+    advanced: HashMap<SeqId, Result<bool>>,
     /// The masks of a step's constrained rows as uploaded, kept from step to step so that
     /// their megabytes are not allocated (and faulted in) anew each time.
     mask_rows: Vec<u32>,
@@ -266,57 +266,87 @@ struct InFlight {
 /// Masks being computed on the worker threads.
 struct MaskJob(mpsc::Receiver<Masks>);
 
-/// Grammars advancing on the worker threads: the sequences, and their outcome.
-struct Advancing {
-    ids: Vec<SeqId>,
-    outcome: mpsc::Receiver<Advanced>,
-}
-
-/// For each sequence whether its grammar is now complete (or why it refused the token),
-/// and the wall time of the whole advance.
-type Advanced = (Vec<(SeqId, Result<bool>)>, Duration);
-
-/// Computed masks: the constraints that hold them (and that the job took for any other
-/// reason), the same masks as the device takes them (`rows[i]`'s in row `i`, where
-/// `staged[i]`), how many, the sum of their times and the wall time of the whole.
+/// A mask job's outcome: the constraints that hold the masks (and that the job took for any
+/// other reason); the same masks as the device takes them (`rows[i]`'s in row `i`, where
+/// `staged[i]`); for the rows it advanced past a token, whether their grammar is now
+/// complete (or why it refused the token); how many masks, the sum of their times and of
+/// the advances', and the wall time of the whole.
 struct Masks {
     rows: Vec<(SeqId, Constraint)>,
     staging: Vec<u32>,
     staged: Vec<bool>,
+    advanced: Vec<(SeqId, Result<bool>)>,
     computed: usize,
     total: Duration,
+    advance_total: Duration,
     wall: Duration,
 }
 
-/// Computes the masks of the constraints flagged in `wanted`, in parallel, and writes each
-/// into its row of `staging` (`words` words a row) on the same worker thread, so that the
-/// engine thread uploads them without gathering megabytes itself.
-fn compute_masks(
+/// One row of a mask job: its grammar's advance (the outcome and its time), if it
+/// advanced, and its mask's time, if it computed and staged one.
+type RowDone = (Option<(Result<bool>, Duration)>, Option<Duration>);
+
+/// Runs a mask job on the worker threads, a row at a time: where `advance[i]` holds a token
+/// (and whether the sequence goes on after it), the row's grammar first advances past it
+/// and computes its next mask only if the sequence goes on and the grammar neither completed
+/// nor refused; other rows compute their mask. Each mask is written into its row of
+/// `staging` (`words` words a row) by the thread that computed it, so that the engine thread
+/// uploads the masks without gathering megabytes itself. Advance and mask in one task a row
+/// (rather than all advances, then all masks) leave no thread waiting for the slowest
+/// advance before it starts on masks.
+fn run_mask_job(
     mut rows: Vec<(SeqId, Constraint)>,
-    wanted: &[bool],
+    advance: &[Option<(u32, bool)>],
     mut staging: Vec<u32>,
     words: usize,
 ) -> Masks {
     let start = Instant::now();
     staging.resize(rows.len() * words, 0);
-    let done: Vec<Option<Duration>> = rows
+    let done: Vec<RowDone> = rows
         .par_iter_mut()
         .zip(staging.par_chunks_mut(words))
-        .zip(wanted)
-        .map(|(((_, c), row), &w)| {
-            if !w {
-                return None;
+        .zip(advance)
+        .map(|(((_, c), row), step)| {
+            let advanced = step.map(|(token, _)| {
+                let started = Instant::now();
+                (c.accept(token), started.elapsed())
+            });
+            let wanted = match (step, &advanced) {
+                (Some((_, goes_on)), Some((outcome, _))) => {
+                    *goes_on && matches!(outcome, Ok(false)) && c.is_active()
+                }
+                _ => true,
+            };
+            if !wanted {
+                return (advanced, None);
             }
             let took = c.compute_mask();
-            c.write_mask(row).then_some(took)
+            (advanced, c.write_mask(row).then_some(took))
         })
         .collect();
+    let mut advanced = Vec::new();
+    let mut advance_total = Duration::ZERO;
+    let mut staged = Vec::with_capacity(done.len());
+    let (mut computed, mut total) = (0, Duration::ZERO);
+    for ((id, _), (outcome, mask)) in rows.iter().zip(done) {
+        if let Some((outcome, took)) = outcome {
+            advanced.push((*id, outcome));
+            advance_total += took;
+        }
+        staged.push(mask.is_some());
+        if let Some(took) = mask {
+            computed += 1;
+            total += took;
+        }
+    }
     Masks {
         rows,
         staging,
-        computed: done.iter().flatten().count(),
-        total: done.iter().flatten().sum(),
-        staged: done.iter().map(Option::is_some).collect(),
+        staged,
+        advanced,
+        computed,
+        total,
+        advance_total,
         wall: start.elapsed(),
     }
 }
@@ -566,7 +596,7 @@ impl<B: Backend> Engine<B> {
             phases: StepPhases::default(),
             in_flight: None,
             mask_jobs: vec![],
-            advancing: None,
+            advanced: HashMap::new(),
             mask_rows: vec![],
         })
     }
@@ -981,11 +1011,11 @@ impl<B: Backend> Engine<B> {
     /// call before it submitted, commits them (stop tokens and `max_tokens` end sequences
     /// here), queues the next step's forward pass, and only then detokenizes and checks
     /// stop strings while the device runs it. Structured-output grammars advance past the
-    /// tokens read back on the worker threads, which then go on to the next step's masks
-    /// while this thread commits, schedules, submits and delivers; the step's token picks
-    /// are queued with the masks. So a call returns the deltas of the step before; a sequence
-    /// that a stop string or the end of its grammar ends has one more step in flight, whose
-    /// token is dropped.
+    /// tokens read back on the worker threads, each going on to its next mask, while this
+    /// thread commits, schedules and submits; the step's token picks are queued once the
+    /// masks are in, and the text is made after that, while the device samples. So a call
+    /// returns the deltas of the step before; a sequence that a stop string or the end of
+    /// its grammar ends has one more step in flight, whose token is dropped.
     pub fn step(&mut self) -> Result<Vec<SeqDelta>> {
         let mut in_runner = Duration::ZERO;
         let mut mark = Instant::now();
@@ -1013,8 +1043,10 @@ impl<B: Backend> Engine<B> {
         if done.is_some() || self.in_flight.is_some() {
             self.phases.steps += 1;
         }
-        // The previous step's text is made while the worker threads compute this step's
-        // masks and the device runs its forward pass.
+        in_runner += self.finish_submit()?;
+        let mut mark = Instant::now();
+        // The previous step's text is made while the device runs this step's forward pass
+        // and sampling.
         let deltas = match done {
             Some((info, done)) => {
                 self.last_step = info;
@@ -1033,7 +1065,6 @@ impl<B: Backend> Engine<B> {
             }
         };
         lap(&mut self.phases.deliver, &mut mark);
-        in_runner += self.finish_submit()?;
         self.last_step.execute = in_runner;
         deltas
     }
@@ -1057,9 +1088,9 @@ impl<B: Backend> Engine<B> {
         let (tx, rx) = mpsc::channel();
         let words = mask_words(self.runner.vocab_size());
         rayon::spawn(move || {
-            let wanted = vec![true; rows.len()];
+            let advance = vec![None; rows.len()];
             // The engine waits for this unless it failed and went away.
-            let _ = tx.send(compute_masks(rows, &wanted, vec![], words));
+            let _ = tx.send(run_mask_job(rows, &advance, vec![], words));
         });
         self.mask_jobs.push(MaskJob(rx));
     }
@@ -1084,6 +1115,8 @@ impl<B: Backend> Engine<B> {
             computed += job.computed;
             wall += job.wall;
             self.structured_stats.mask_seconds += job.total.as_secs_f64();
+            self.structured_stats.accept_seconds += job.advance_total.as_secs_f64();
+            self.advanced.extend(job.advanced);
             let first_row = masks.len() / words;
             if masks.is_empty() && job.staging.capacity() >= masks.capacity() {
                 masks = job.staging;
@@ -1375,19 +1408,17 @@ impl<B: Backend> Engine<B> {
         picks
     }
 
-    /// Starts advancing the constraints of the picked tokens' sequences past their tokens,
-    /// in parallel on the worker threads (a matcher's step takes microseconds, hundreds of
-    /// rows one after another a step's worth); the same job then goes on to the masks of
-    /// the next tokens of the sequences that go on. This thread commits, schedules and
-    /// submits the next step meanwhile: [`settle_grammars`](Self::settle_grammars) takes
-    /// the advance's outcome before the tokens are delivered, and
-    /// [`finish_submit`](Self::finish_submit) the masks.
+    /// Starts advancing the constraints of the picked tokens' sequences past their tokens
+    /// on the worker threads, each row going on to its next mask in the same task (a
+    /// matcher's step takes microseconds). This thread commits, schedules and submits the
+    /// next step meanwhile; [`finish_submit`](Self::finish_submit) takes the job's masks and
+    /// outcome, and [`settle_grammars`](Self::settle_grammars) applies the outcome before the
+    /// tokens are delivered.
     fn advance_grammars(&mut self, picks: &[Pick]) {
         let mut rows = Vec::with_capacity(picks.len());
-        let mut tokens = Vec::with_capacity(picks.len());
-        // Whether the sequence has a next token to mask (a stop token or its last token
-        // ends it here).
-        let mut goes_on = Vec::with_capacity(picks.len());
+        // Each row's token, and whether the sequence has a next token to mask (a stop token
+        // or its last token ends it here).
+        let mut advance = Vec::with_capacity(picks.len());
         for p in picks {
             let Ok((token, _)) = &p.picked else { continue };
             let Some(st) = self.seqs.get_mut(&p.id) else {
@@ -1397,67 +1428,30 @@ impl<B: Backend> Engine<B> {
                 let params = st.sampler.params();
                 let n = p.num_before + 1;
                 let stops = n >= params.min_tokens && st.sampler.is_stop_token(*token);
-                goes_on.push(n < params.max_tokens && !stops);
+                advance.push(Some((*token, n < params.max_tokens && !stops)));
                 rows.push((p.id, c));
-                tokens.push(*token);
             }
         }
         if rows.is_empty() {
             return;
         }
-        let ids = rows.iter().map(|(id, _)| *id).collect();
-        let (accepted_tx, accepted_rx) = mpsc::channel();
-        let (masks_tx, masks_rx) = mpsc::channel();
+        let (tx, rx) = mpsc::channel();
         let staging = std::mem::take(&mut self.mask_rows);
         let words = mask_words(self.runner.vocab_size());
-        // A matcher's step takes about a microsecond, less than waking a worker thread, so
-        // each thread takes one run of rows.
-        let run = rows.len().div_ceil(rayon::current_num_threads());
         rayon::spawn(move || {
-            let start = Instant::now();
-            let done: Vec<(SeqId, Result<bool>)> = rows
-                .par_iter_mut()
-                .with_min_len(run)
-                .zip(&tokens)
-                .map(|((id, c), &token)| (*id, c.accept(token)))
-                .collect();
-            let wanted: Vec<bool> = rows
-                .iter()
-                .zip(&done)
-                .zip(goes_on)
-                .map(|(((_, c), (_, d)), on)| on && matches!(d, Ok(false)) && c.is_active())
-                .collect();
-            // The engine waits for both unless it failed and went away.
-            let _ = accepted_tx.send((done, start.elapsed()));
-            let _ = masks_tx.send(compute_masks(rows, &wanted, staging, words));
+            // The engine waits for this unless it failed and went away.
+            let _ = tx.send(run_mask_job(rows, &advance, staging, words));
         });
-        self.mask_jobs.push(MaskJob(masks_rx));
-        self.advancing = Some(Advancing {
-            ids,
-            outcome: accepted_rx,
-        });
+        self.mask_jobs.push(MaskJob(rx));
     }
 
-    /// Takes the outcome of the grammars' advance past `tokens`: a complete grammar ends its
-    /// sequence with this token, and a token the grammar refused ends it without the
+    /// Applies the outcome of the grammars' advance past `tokens`: a complete grammar ends
+    /// its sequence with this token, and a token the grammar refused ends it without the
     /// token, both as a stop string would (the step already submitted computes one more
     /// token for it, which is dropped).
     fn settle_grammars(&mut self, tokens: &mut [NewToken]) {
-        let Some(Advancing { ids, outcome }) = self.advancing.take() else {
-            return;
-        };
-        let mut done: HashMap<SeqId, Result<bool>> = match outcome.recv() {
-            Ok((done, wall)) => {
-                self.structured_stats.accept_seconds += wall.as_secs_f64();
-                done.into_iter().collect()
-            }
-            Err(_) => ids
-                .into_iter()
-                .map(|id| (id, Err(anyhow!("a structured-output worker failed"))))
-                .collect(),
-        };
         for t in tokens {
-            match done.remove(&t.id) {
+            match self.advanced.remove(&t.id) {
                 Some(Ok(complete)) => t.grammar_done = complete,
                 Some(Err(e)) => {
                     let request_id = self.request_of(t.id);
@@ -1468,6 +1462,7 @@ impl<B: Backend> Engine<B> {
                 None => {}
             }
         }
+        self.advanced.clear();
     }
 
     /// Detokenizes committed tokens into deltas; a stop string ends its sequence here.

@@ -12,18 +12,19 @@ pub struct StepPhases {
     pub wait_device: Duration,
     /// Committing the tokens read back (host sampling, stop tokens, scheduler state).
     pub commit: Duration,
-    /// Waiting for the structured-output grammars to advance past the new tokens, and
-    /// applying what they say to them.
-    pub advance_grammars: Duration,
     pub schedule: Duration,
     /// Queuing the next forward pass on the device.
     pub submit: Duration,
-    /// Detokenizing, stop strings, and the deltas of the step before.
-    pub deliver: Duration,
-    /// Waiting for the next step's structured-output masks.
+    /// Waiting for the structured-output grammars to advance past the new tokens and
+    /// compute the next step's masks.
     pub wait_masks: Duration,
     /// Queuing the next step's token picks (with their masks) on the device.
     pub sample: Duration,
+    /// Applying what the grammars' advance says to the new tokens (a grammar complete, a
+    /// token refused).
+    pub advance_grammars: Duration,
+    /// Detokenizing, stop strings, and the deltas of the step before.
+    pub deliver: Duration,
     /// The engine thread's time between steps: requests in, deltas out, aborts.
     pub between_steps: Duration,
 }
@@ -33,12 +34,12 @@ impl StepPhases {
     pub const NAMES: [&'static str; 9] = [
         "wait_device",
         "commit",
-        "advance_grammars",
         "schedule",
         "submit",
-        "deliver",
         "wait_masks",
         "sample",
+        "advance_grammars",
+        "deliver",
         "between_steps",
     ];
 
@@ -47,12 +48,12 @@ impl StepPhases {
         let times = [
             self.wait_device,
             self.commit,
-            self.advance_grammars,
             self.schedule,
             self.submit,
-            self.deliver,
             self.wait_masks,
             self.sample,
+            self.advance_grammars,
+            self.deliver,
             self.between_steps,
         ];
         std::array::from_fn(|i| (Self::NAMES[i], times[i]))

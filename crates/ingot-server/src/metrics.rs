@@ -272,7 +272,7 @@ impl Metrics {
         );
         seconds(
             "ingot:structured_output_accept_seconds",
-            "Wall time of advancing each step's structured-output grammars past their new tokens (in parallel), summed over steps",
+            "Time of advancing the structured-output grammars past their new tokens, summed over sequences",
             s.structured.accept_seconds,
         );
         engine.register(

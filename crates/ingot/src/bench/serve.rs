@@ -490,8 +490,8 @@ async fn engine_counters(client: &reqwest::Client, base: &str) -> Option<Vec<f64
     names.iter().map(|n| value(n)).collect()
 }
 
-/// The masks a run computed and their time per token and per step, and the time per step
-/// of advancing the grammars, from the counters before and after it.
+/// The masks a run computed and their time per token and per step, and the grammars'
+/// advances' time per step (summed over sequences), from the counters before and after it.
 fn mask_report(before: &[f64], after: &[f64]) -> Value {
     let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
     let per = |t: f64, n: f64| {
@@ -624,7 +624,7 @@ fn print_report(r: &Value) {
     if !so.is_null() {
         let g = |k: &str| so[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "  structured output: {} masks in {} steps, {:.1} µs per mask, {:.1} µs per step; grammars advanced in {:.1} µs per step",
+            "  structured output: {} masks in {} steps, {:.1} µs per mask, {:.1} µs per step; grammar advances {:.1} µs per step (summed)",
             g("masks"),
             g("steps"),
             g("mask_us_per_token"),
