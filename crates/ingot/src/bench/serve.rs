@@ -658,7 +658,8 @@ mod tests {
         after[5] = 14.0;
         // 2 ms of waiting for the device and 0.4 ms of masks over the run's 4 steps.
         after[6] = 0.002;
-        after[6 + 6] = 0.0004;
+        let masks = PHASES.iter().position(|&p| p == "wait_masks").unwrap();
+        after[6 + masks] = 0.0004;
         let r = phase_report(&before, &after);
         assert_eq!(r["steps"], 4.0);
         let us = |p: &str| r["us_per_step"][p].as_f64().unwrap();
