@@ -1043,8 +1043,9 @@ impl<B: Backend> Engine<B> {
         if done.is_some() || self.in_flight.is_some() {
             self.phases.steps += 1;
         }
+        // `finish_submit` laps its own phases.
         in_runner += self.finish_submit()?;
-        let mut mark = Instant::now();
+        mark = Instant::now();
         // The previous step's text is made while the device runs this step's forward pass
         // and sampling.
         let deltas = match done {
