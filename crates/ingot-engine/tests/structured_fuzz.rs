@@ -145,3 +145,58 @@ fn a_huge_grammar_compiles_or_is_refused_in_bounded_time() {
         assert!(took < Duration::from_secs(1), "{took:?}");
     }
 }
+
+/// The allowed tokens of `c`'s next mask.
+fn mask_of(c: &mut Constraint) -> Vec<u32> {
+    c.compute_mask();
+    c.allowed().unwrap().unwrap().to_vec()
+}
+
+#[test]
+fn a_compiled_constraint_is_kept_and_each_sequence_walks_its_own_copy() {
+    let Some(path) = test_model_path() else {
+        return;
+    };
+    let tok = Arc::new(Tokenizer::open(&path).unwrap());
+    let (kept, fresh) = (Grammars::new(tok.clone(), VOCAB), Grammars::new(tok, VOCAB));
+    let spec = StructuredOutput::JsonSchema(json!({
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "tags"]
+    }));
+    let grammar = kept.compile(&spec).unwrap();
+    kept.compile(&spec).unwrap();
+    assert_eq!(
+        kept.num_cached(),
+        1,
+        "the same spec compiled twice is kept once"
+    );
+    kept.compile(&StructuredOutput::Regex("[0-9]+".into()))
+        .unwrap();
+    assert_eq!(kept.num_cached(), 2);
+
+    // One copy walks a path through the grammar; another copy of the same kept grammar
+    // and a constraint compiled afresh then see the masks of a start, and the walker's
+    // masks are those of a fresh constraint walked the same way.
+    let (mut walker, mut idle) = (Constraint::new(&grammar), Constraint::new(&grammar));
+    let mut reference = Constraint::new(&fresh.compile(&spec).unwrap());
+    let start = mask_of(&mut reference);
+    let text = tok_ids(&path, r#"{"name": "Ada", "tags": ["x", "#);
+    let mut reference = Constraint::new(&fresh.compile(&spec).unwrap());
+    for &t in &text {
+        assert_eq!(mask_of(&mut walker), mask_of(&mut reference));
+        assert!(!walker.accept(t).unwrap());
+        assert!(!reference.accept(t).unwrap());
+    }
+    assert_eq!(mask_of(&mut walker), mask_of(&mut reference));
+    assert_eq!(
+        mask_of(&mut idle),
+        start,
+        "a copy kept its own place in the grammar"
+    );
+    assert_ne!(mask_of(&mut walker), start);
+}
+
+fn tok_ids(path: &std::path::Path, text: &str) -> Vec<u32> {
+    Tokenizer::open(path).unwrap().encode(text, false).unwrap()
+}
