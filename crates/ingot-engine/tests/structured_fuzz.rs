@@ -158,7 +158,10 @@ fn a_compiled_constraint_is_kept_and_each_sequence_walks_its_own_copy() {
         return;
     };
     let tok = Arc::new(Tokenizer::open(&path).unwrap());
-    let (kept, fresh) = (Grammars::new(tok.clone(), VOCAB), Grammars::new(tok, VOCAB));
+    let (kept, fresh) = (
+        Grammars::new(tok.clone(), VOCAB),
+        Grammars::new(tok.clone(), VOCAB),
+    );
     let spec = StructuredOutput::JsonSchema(json!({
         "type": "object",
         "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
@@ -176,13 +179,15 @@ fn a_compiled_constraint_is_kept_and_each_sequence_walks_its_own_copy() {
     assert_eq!(kept.num_cached(), 2);
 
     // One copy walks a path through the grammar; another copy of the same kept grammar
-    // and a constraint compiled afresh then see the masks of a start, and the walker's
-    // masks are those of a fresh constraint walked the same way.
+    // still sees the mask of a start, and the walker's masks are those of a constraint
+    // compiled by a `Grammars` of its own and walked the same way.
     let (mut walker, mut idle) = (Constraint::new(&grammar), Constraint::new(&grammar));
-    let mut reference = Constraint::new(&fresh.compile(&spec).unwrap());
-    let start = mask_of(&mut reference);
-    let text = tok_ids(&path, r#"{"name": "Ada", "tags": ["x", "#);
-    let mut reference = Constraint::new(&fresh.compile(&spec).unwrap());
+    let compiled_apart = fresh.compile(&spec).unwrap();
+    let start = mask_of(&mut Constraint::new(&compiled_apart));
+    let text = tok
+        .encode(r#"{"name": "Ada", "tags": ["x", "#, false)
+        .unwrap();
+    let mut reference = Constraint::new(&compiled_apart);
     for &t in &text {
         assert_eq!(mask_of(&mut walker), mask_of(&mut reference));
         assert!(!walker.accept(t).unwrap());
@@ -195,8 +200,4 @@ fn a_compiled_constraint_is_kept_and_each_sequence_walks_its_own_copy() {
         "a copy kept its own place in the grammar"
     );
     assert_ne!(mask_of(&mut walker), start);
-}
-
-fn tok_ids(path: &std::path::Path, text: &str) -> Vec<u32> {
-    Tokenizer::open(path).unwrap().encode(text, false).unwrap()
 }
