@@ -46,7 +46,6 @@ for plain, constrained in zip(runs[0::2], runs[1::2]):
     if so:
         # A figure is null where its denominator is zero (no mask computed, no step).
         f = lambda key: "n/a" if so.get(key) is None else f"{so[key]:.1f}"
-        print(f"  checked after an unmasked pick: {so.get('checked', 0):.0f} tokens, {so.get('refused', 0):.0f} refused")
         print(f"  masks: {so['masks']:.0f} in {so['steps']:.0f} steps, {f('mask_us_per_token')} µs per mask, "
               f"{f('mask_us_per_step')} µs per step; grammar advances {f('accept_us_per_step')} µs per step (summed)")
     ratios.append(constrained["output_throughput"] / plain["output_throughput"])

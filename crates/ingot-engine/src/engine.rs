@@ -1,6 +1,5 @@
 //! The engine: requests in, per-sequence output deltas out, one scheduled step at a time.
 
-use crate::checked_picks::{self, CheckedPick, Outcome};
 use crate::detokenizer::Detokenizer;
 use crate::embedding::PooledSeq;
 use crate::runner::{ModelRunner, RunnerConfig, StepInput};
@@ -159,13 +158,10 @@ pub struct EngineStats {
 }
 
 /// Structured-output work since start: token masks computed, the steps that computed them,
-/// and the time they took; tokens picked without a mask and checked after, and of those the
-/// ones the grammar refused (each then masked and picked again).
+/// and the time they took.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StructuredStats {
     pub masks: u64,
-    pub checked: u64,
-    pub refused: u64,
     pub steps: u64,
     /// Summed over masks.
     pub mask_seconds: f64,
@@ -265,9 +261,6 @@ struct InFlight {
     /// The rows and edits of a step sampled on the device, queued with its masks once
     /// they are in; taken then.
     device_rows: Option<(Vec<SampleRow>, Vec<LogitEdit>)>,
-    /// Per sampled row: picked without its grammar's mask, to be checked against the
-    /// grammar when read back ([`checked_picks`]).
-    unmasked: Vec<bool>,
 }
 
 /// Masks being computed on the worker threads.
@@ -294,9 +287,9 @@ struct Masks {
 type RowDone = (Option<(Result<bool>, Duration)>, Option<Duration>);
 
 /// Runs a mask job on the worker threads, a row at a time: where `advance[i]` holds a token
-/// (and whether the row wants a next mask: the sequence goes on, its next pick masked), the
-/// row's grammar first advances past it and computes its next mask only if the row wants
-/// one and the grammar neither completed nor refused; other rows compute their mask. Each mask is written into its row of
+/// (and whether the sequence goes on after it), the row's grammar first advances past it
+/// and computes its next mask only if the sequence goes on and the grammar neither completed
+/// nor refused; other rows compute their mask. Each mask is written into its row of
 /// `staging` (`words` words a row) by the thread that computed it, so that the engine thread
 /// uploads the masks without gathering megabytes itself. Advance and mask in one task a row
 /// (rather than all advances, then all masks) leave no thread waiting for the slowest
@@ -319,8 +312,8 @@ fn run_mask_job(
                 (c.accept(token), started.elapsed())
             });
             let wanted = match (step, &advanced) {
-                (Some((_, next_mask)), Some((outcome, _))) => {
-                    *next_mask && matches!(outcome, Ok(false)) && c.is_active()
+                (Some((_, goes_on)), Some((outcome, _))) => {
+                    *goes_on && matches!(outcome, Ok(false)) && c.is_active()
                 }
                 _ => true,
             };
@@ -365,8 +358,6 @@ struct Pick {
     num_before: usize,
     /// The token and its logprobs, or why the sequence cannot go on.
     picked: Result<(u32, Option<TokenLogprobs>)>,
-    /// Picked without a mask and checked: the grammar has advanced past the token already.
-    checked: bool,
 }
 
 /// A token committed to its sequence, whose text and stop strings are still to be checked.
@@ -1030,22 +1021,13 @@ impl<B: Backend> Engine<B> {
         let mut mark = Instant::now();
         let done = match self.in_flight.take() {
             Some(f) => {
-                let mut picked = self.read_back(&f)?;
+                let picked = self.read_back(&f)?;
                 in_runner += mark.elapsed();
                 lap(&mut self.phases.wait_device, &mut mark);
-                let failed = match &mut picked {
-                    Sampled::Tokens(ids) => {
-                        let (failed, t) = self.check_picks(&f, ids)?;
-                        in_runner += t;
-                        lap(&mut self.phases.check_picks, &mut mark);
-                        failed
-                    }
-                    _ => HashMap::new(),
-                };
                 let info = f.info;
                 let done = match picked {
                     Sampled::Pooled(rows) => (info, Done::Pooled(self.commit_pooled(f, rows))),
-                    picked => (info, Done::Tokens(self.commit(f, picked, failed))),
+                    picked => (info, Done::Tokens(self.commit(f, picked))),
                 };
                 lap(&mut self.phases.commit, &mut mark);
                 Some(done)
@@ -1089,20 +1071,15 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Starts the token masks that the constrained rows of a submitted step still lack
-    /// (rows whose grammar did not just advance: their first token, back from preemption,
-    /// or checked after their last pick) on the worker threads, but for rows picked without
-    /// a mask (`on_device`: the step is picked on the device).
-    fn start_masks(&mut self, sampled: &[SeqId], on_device: bool) {
+    /// (rows whose grammar did not just advance: their first token, or back from
+    /// preemption) on the worker threads.
+    fn start_masks(&mut self, sampled: &[SeqId]) {
         let rows: Vec<(SeqId, Constraint)> = sampled
             .iter()
             .filter_map(|id| {
-                let num_output = self.scheduler.get(*id)?.num_output();
                 let st = self.seqs.get_mut(id)?;
                 let c = st.constraint.as_ref()?;
                 (c.is_active() && !c.has_mask()).then_some(())?;
-                if checked_picks::checks_pick(on_device, &st.sampler, num_output, c) {
-                    return None;
-                }
                 Some((*id, st.constraint.take()?))
             })
             .collect();
@@ -1172,26 +1149,21 @@ impl<B: Backend> Engine<B> {
             self.mask_rows = masks;
             return Ok(Duration::ZERO);
         };
-        for (k, (row, id)) in rows.iter_mut().zip(&f.sampled).enumerate() {
+        for (row, id) in rows.iter_mut().zip(&f.sampled) {
             if let Some(&r) = staged_rows.get(id) {
                 row.mask = r + 1;
                 continue;
             }
             // A mask computed in an earlier step (a sequence back from preemption) is
-            // copied here. A plain greedy row without one is checked after its pick; a
-            // failed mask leaves any other row unmasked, and commit drops its token.
-            let Some(st) = self.seqs.get(id) else {
-                continue;
-            };
-            if let Some(c) = &st.constraint {
+            // copied here. A failed mask leaves the row unmasked: commit drops its token.
+            let constraint = self.seqs.get(id).and_then(|s| s.constraint.as_ref());
+            if let Some(c) = constraint {
                 let start = masks.len();
                 masks.resize(start + words, 0);
                 if c.write_mask(&mut masks[start..]) {
                     row.mask = (masks.len() / words) as u32;
                 } else {
                     masks.truncate(start);
-                    let num_output = self.scheduler.get(*id).map_or(0, |s| s.num_output());
-                    f.unmasked[k] = checked_picks::checks_pick(true, &st.sampler, num_output, c);
                 }
             }
         }
@@ -1224,35 +1196,25 @@ impl<B: Backend> Engine<B> {
                 st.queue_time = Some(arrival.elapsed());
             }
         }
-        // A device that samples picks the tokens (masked where a constraint says) unless a
-        // row wants logprobs, which are computed from the logits on the host.
+        // Plain greedy rows need only their argmax, which the device sends back alone.
+        let greedy = sampled.iter().all(|id| {
+            let seq = self.scheduler.get(*id).expect("sampled sequences run");
+            let st = &self.seqs[id];
+            // The constraint itself may be away, computing its mask.
+            st.sampler.params().structured.is_none() && st.sampler.is_plain_greedy(seq.num_output())
+        });
+        // Otherwise a device that samples picks the tokens (masked where a constraint
+        // says) unless a row wants logprobs, which are computed from the logits on the
+        // host.
         let on_device = self.runner.backend.samples_on_device()
             && sampled
                 .iter()
                 .all(|id| self.seqs[id].sampler.params().logprobs.is_none());
-        // Plain greedy rows need only their argmax, which the device sends back alone;
-        // constrained ones where they are checked after (a constraint away is advancing to
-        // its next mask).
-        let greedy = sampled.iter().all(|id| {
-            let seq = self.scheduler.get(*id).expect("sampled sequences run");
-            let st = &self.seqs[id];
-            let n = seq.num_output();
-            st.sampler.is_plain_greedy(n)
-                && (st.sampler.params().structured.is_none()
-                    || st
-                        .constraint
-                        .as_ref()
-                        .is_some_and(|c| checked_picks::checks_pick(on_device, &st.sampler, n, c)))
-        });
         let started = Instant::now();
         self.runner.submit(&input)?;
         let in_runner = started.elapsed();
-        self.start_masks(&sampled, on_device);
-        let mut unmasked = vec![false; sampled.len()];
+        self.start_masks(&sampled);
         let (picks, device_rows) = if greedy {
-            for (u, id) in unmasked.iter_mut().zip(&sampled) {
-                *u = self.seqs[id].sampler.params().structured.is_some();
-            }
             (Picks::Ids, None)
         } else if on_device {
             let mut rows = Vec::with_capacity(sampled.len());
@@ -1276,7 +1238,6 @@ impl<B: Backend> Engine<B> {
             picks,
             info,
             device_rows,
-            unmasked,
         });
         Ok(in_runner)
     }
@@ -1307,7 +1268,6 @@ impl<B: Backend> Engine<B> {
             picks: Picks::Pooled,
             info,
             device_rows: None,
-            unmasked: vec![],
         });
         Ok(started.elapsed())
     }
@@ -1356,103 +1316,18 @@ impl<B: Backend> Engine<B> {
         })
     }
 
-    /// Checks the tokens of the step's rows picked without their grammar's mask against
-    /// their grammars ([`checked_picks`]), and picks again on the device, under their masks,
-    /// those the grammar refuses; `ids` is left with the tokens that stand. Returns the rows
-    /// whose grammar failed, and the time spent in the model runner.
-    fn check_picks(
-        &mut self,
-        f: &InFlight,
-        ids: &mut [u32],
-    ) -> Result<(HashMap<SeqId, anyhow::Error>, Duration)> {
-        let mut picks = vec![];
-        for (row, id) in f.sampled.iter().enumerate() {
-            // A stop string or an abort ended this sequence while the step ran.
-            if !f.unmasked[row] || self.scheduler.get(*id).is_none() {
-                continue;
-            }
-            let Some(constraint) = self.seqs.get_mut(id).and_then(|s| s.constraint.take()) else {
-                continue;
-            };
-            picks.push(CheckedPick {
-                row,
-                id: *id,
-                constraint,
-                token: ids[row],
-                outcome: Outcome::Unchecked,
-            });
-        }
-        if picks.is_empty() {
-            return Ok((HashMap::new(), Duration::ZERO));
-        }
-        let words = mask_words(self.runner.vocab_size());
-        let mut masks = std::mem::take(&mut self.mask_rows);
-        let mut times = checked_picks::check(&mut picks, &mut masks, words);
-        let rows = checked_picks::refused_rows(&picks);
-        let mut in_runner = Duration::ZERO;
-        let mut repicked = Ok(());
-        if !rows.is_empty() {
-            let sample_rows: Vec<SampleRow> = (1..=rows.len() as u32)
-                .map(|mask| SampleRow {
-                    mask,
-                    ..SampleRow::default()
-                })
-                .collect();
-            let started = Instant::now();
-            repicked = self
-                .runner
-                .repick(&rows, &sample_rows, &masks)
-                .map(|tokens| {
-                    times.accept_time += checked_picks::accept_repicked(&mut picks, &tokens)
-                });
-            in_runner = started.elapsed();
-        }
-        self.mask_rows = masks;
-        let st = &mut self.structured_stats;
-        st.checked += picks.len() as u64;
-        st.refused += rows.len() as u64;
-        st.masks += times.masks as u64;
-        st.mask_seconds += times.mask_time.as_secs_f64();
-        st.accept_seconds += times.accept_time.as_secs_f64();
-        let mut failed = HashMap::new();
-        for p in picks {
-            ids[p.row] = p.token;
-            match p.outcome {
-                Outcome::Accepted(complete) => {
-                    self.advanced.insert(p.id, Ok(complete));
-                }
-                Outcome::Failed(e) => {
-                    failed.insert(p.id, e);
-                }
-                // Only where the pick again failed, which fails the step.
-                Outcome::Unchecked | Outcome::Refused => {}
-            }
-            if let Some(state) = self.seqs.get_mut(&p.id) {
-                state.constraint = Some(p.constraint);
-            }
-        }
-        repicked?;
-        Ok((failed, in_runner))
-    }
-
     /// Commits a step that has run: its computed tokens, and the token of each sampled
     /// sequence, which a stop token or `max_tokens` may end here (so that the next step
     /// does not run it).
-    fn commit(
-        &mut self,
-        f: InFlight,
-        picked: Sampled,
-        failed: HashMap<SeqId, anyhow::Error>,
-    ) -> Vec<NewToken> {
+    fn commit(&mut self, f: InFlight, picked: Sampled) -> Vec<NewToken> {
         let ready = self.scheduler.commit(&f.out);
-        let picks = self.picks(f.sampled, &f.unmasked, picked, failed);
+        let picks = self.picks(f.sampled, picked);
         self.advance_grammars(&picks);
         let mut tokens = Vec::with_capacity(picks.len());
         for Pick {
             id,
             num_before,
             picked,
-            ..
         } in picks
         {
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
@@ -1498,15 +1373,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The token of each sampled sequence still running, with its output count before:
-    /// read back (checked already where `unmasked`, and failed where `failed` says), or
-    /// sampled here from its logits (masked by its constraint).
-    fn picks(
-        &mut self,
-        sampled: Vec<SeqId>,
-        unmasked: &[bool],
-        picked: Sampled,
-        mut failed: HashMap<SeqId, anyhow::Error>,
-    ) -> Vec<Pick> {
+    /// read back, or sampled here from its logits (masked by its constraint).
+    fn picks(&mut self, sampled: Vec<SeqId>, picked: Sampled) -> Vec<Pick> {
         let vocab = self.runner.vocab_size();
         let mut picks = Vec::with_capacity(sampled.len());
         for (k, id) in sampled.into_iter().enumerate() {
@@ -1516,14 +1384,10 @@ impl<B: Backend> Engine<B> {
             };
             let state = self.seqs.get_mut(&id).expect("every sequence has state");
             let picked = match &picked {
-                // A masked row's token stands only where its mask did.
-                Sampled::Tokens(ids) => match failed.remove(&id) {
-                    Some(e) => Err(e),
-                    None if unmasked[k] => Ok((ids[k], None)),
-                    None => match state.constraint.as_ref().map(|c| c.allowed()) {
-                        Some(Err(e)) => Err(e),
-                        _ => Ok((ids[k], None)),
-                    },
+                // A constrained row's token stands only where its mask did.
+                Sampled::Tokens(ids) => match state.constraint.as_ref().map(|c| c.allowed()) {
+                    Some(Err(e)) => Err(e),
+                    _ => Ok((ids[k], None)),
                 },
                 Sampled::Pooled(_) => unreachable!("commit_pooled takes pooled steps"),
                 Sampled::Logits(logits) => {
@@ -1540,7 +1404,6 @@ impl<B: Backend> Engine<B> {
                 id,
                 num_before: seq.num_output(),
                 picked,
-                checked: unmasked.get(k).copied().unwrap_or(false),
             });
         }
         picks
@@ -1557,12 +1420,8 @@ impl<B: Backend> Engine<B> {
         // Each row's token, and whether the sequence has a next token to mask (a stop token
         // or its last token ends it here).
         let mut advance = Vec::with_capacity(picks.len());
-        let on_device = self.runner.backend.samples_on_device();
         for p in picks {
             let Ok((token, _)) = &p.picked else { continue };
-            if p.checked {
-                continue;
-            }
             let Some(st) = self.seqs.get_mut(&p.id) else {
                 continue;
             };
@@ -1570,13 +1429,7 @@ impl<B: Backend> Engine<B> {
                 let params = st.sampler.params();
                 let n = p.num_before + 1;
                 let stops = n >= params.min_tokens && st.sampler.is_stop_token(*token);
-                // A row whose next pick is checked after needs no mask; should its step be
-                // sampled on the host after all (a row wanting logprobs), `start_masks`
-                // computes it.
-                let next_mask = n < params.max_tokens
-                    && !stops
-                    && !checked_picks::checks_pick(on_device, &st.sampler, n, &c);
-                advance.push(Some((*token, next_mask)));
+                advance.push(Some((*token, n < params.max_tokens && !stops)));
                 rows.push((p.id, c));
             }
         }

@@ -2,7 +2,6 @@
 //! into device buffers and logits; the sampler picks tokens; the engine schedules many
 //! requests continuously and turns tokens into text.
 
-mod checked_picks;
 pub mod detokenizer;
 mod embedding;
 pub mod engine;

@@ -59,11 +59,6 @@ pub struct ModelRunner<B: Backend> {
     /// step needs more rows.
     masks: B::Buffer,
     mask_rows_capacity: usize,
-    /// The logits rows of a step's tokens picked again ([`ModelRunner::repick`]) and those
-    /// rows' indices, grown when a step picks more rows again.
-    repick_logits: B::Buffer,
-    repick_rows: B::Buffer,
-    repick_capacity: usize,
     /// Sampled rows of the submitted step.
     num_sampled: usize,
     /// The step's block tables at the device's row stride, kept from step to step: at 256
@@ -233,8 +228,6 @@ impl<B: Backend> ModelRunner<B> {
         let logit_edits = backend.alloc(DType::I32, logit_edits_capacity * EDIT_WORDS)?;
         let mask_rows_capacity = 1;
         let masks = backend.alloc(DType::I32, mask_words(cfg.vocab_size))?;
-        let repick_logits = backend.alloc(DType::F32, cfg.vocab_size)?;
-        let repick_rows = backend.alloc(DType::I32, 1)?;
         Ok(ModelRunner {
             backend,
             model,
@@ -248,9 +241,6 @@ impl<B: Backend> ModelRunner<B> {
             logit_edits_capacity,
             masks,
             mask_rows_capacity,
-            repick_logits,
-            repick_rows,
-            repick_capacity: 1,
             num_sampled: 0,
             host_tables: vec![],
             warm_buckets: vec![],
@@ -281,33 +271,9 @@ impl<B: Backend> ModelRunner<B> {
             rows.len() == self.num_sampled,
             "one sample row per sampled token of the submitted step"
         );
-        self.upload_sampling(rows, edits, masks)?;
         let b = &self.backend;
         let vocab = self.model.config.vocab_size;
-        b.run_step(|| {
-            b.sample(
-                &mut self.acts.logits,
-                rows.len(),
-                vocab,
-                &self.sample_rows,
-                &self.logit_edits,
-                &self.masks,
-                &mut self.greedy,
-            )
-        });
-        Ok(())
-    }
-
-    /// Uploads the [`SampleRow`]s, edits and bitmasks of a pick, growing their buffers
-    /// where needed.
-    fn upload_sampling(
-        &mut self,
-        rows: &[SampleRow],
-        edits: &[LogitEdit],
-        masks: &[u32],
-    ) -> Result<()> {
-        let b = &self.backend;
-        let words = mask_words(self.model.config.vocab_size);
+        let words = mask_words(vocab);
         ensure!(
             masks.len().is_multiple_of(words),
             "masks of {words} words each"
@@ -323,46 +289,10 @@ impl<B: Backend> ModelRunner<B> {
         b.upload(&mut self.sample_rows, bytemuck::cast_slice(rows))?;
         b.upload(&mut self.logit_edits, bytemuck::cast_slice(edits))?;
         b.upload(&mut self.masks, bytemuck::cast_slice(masks))?;
-        Ok(())
-    }
-
-    /// Picks again, once the submitted step has run and its tokens were read back (and
-    /// before the next step is submitted, while its logits are still on the device), the
-    /// tokens of its sampled rows `rows`, each with its [`SampleRow`] from `sample_rows`
-    /// (no edits) and the bitmasks `masks`. Returns the new tokens, in order.
-    pub fn repick(
-        &mut self,
-        rows: &[u32],
-        sample_rows: &[SampleRow],
-        masks: &[u32],
-    ) -> Result<Vec<u32>> {
-        let n = rows.len();
-        ensure!(
-            n == sample_rows.len() && rows.iter().all(|&r| (r as usize) < self.num_sampled),
-            "one sample row per sampled row of the last step"
-        );
-        let vocab = self.model.config.vocab_size;
-        if n > self.repick_capacity {
-            self.repick_capacity = n.next_power_of_two();
-            self.repick_logits = self
-                .backend
-                .alloc(DType::F32, self.repick_capacity * vocab)?;
-            self.repick_rows = self.backend.alloc(DType::I32, self.repick_capacity)?;
-        }
-        self.upload_sampling(sample_rows, &[], masks)?;
-        let b = &self.backend;
-        upload_u32(b, &mut self.repick_rows, rows)?;
         b.run_step(|| {
-            b.gather_rows(
-                &self.acts.logits,
-                &self.repick_rows,
-                n,
-                vocab,
-                &mut self.repick_logits,
-            );
             b.sample(
-                &mut self.repick_logits,
-                n,
+                &mut self.acts.logits,
+                rows.len(),
                 vocab,
                 &self.sample_rows,
                 &self.logit_edits,
@@ -370,7 +300,7 @@ impl<B: Backend> ModelRunner<B> {
                 &mut self.greedy,
             )
         });
-        self.picked_ids(n)
+        Ok(())
     }
 
     /// The tokens the device picked for the first `n` sampled rows of the last submitted

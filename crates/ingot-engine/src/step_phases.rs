@@ -10,9 +10,6 @@ pub struct StepPhases {
     pub steps: u64,
     /// Waiting for the device to finish the step before, and reading its results back.
     pub wait_device: Duration,
-    /// Checking the tokens picked without their grammar's mask, and picking again on the
-    /// device those it refuses.
-    pub check_picks: Duration,
     /// Committing the tokens read back (host sampling, stop tokens, scheduler state).
     pub commit: Duration,
     pub schedule: Duration,
@@ -34,9 +31,8 @@ pub struct StepPhases {
 
 impl StepPhases {
     /// The phases' metric labels, in the order a step runs them.
-    pub const NAMES: [&'static str; 10] = [
+    pub const NAMES: [&'static str; 9] = [
         "wait_device",
-        "check_picks",
         "commit",
         "schedule",
         "submit",
@@ -48,10 +44,9 @@ impl StepPhases {
     ];
 
     /// Each phase with its label from [`NAMES`](Self::NAMES).
-    pub fn named(&self) -> [(&'static str, Duration); 10] {
+    pub fn named(&self) -> [(&'static str, Duration); 9] {
         let times = [
             self.wait_device,
-            self.check_picks,
             self.commit,
             self.schedule,
             self.submit,

@@ -177,8 +177,6 @@ pub struct Constraint {
     matcher: Box<Matcher>,
     /// The next token's allowed set, or why it could not be computed.
     mask: Option<Result<SimpleVob, String>>,
-    /// Whether the last mask computed allowed most of the vocabulary.
-    last_mask_wide: bool,
     /// While the model reasons: the end marker's token ids, and the output's last tokens
     /// to match them against. The grammar starts after the marker.
     reasoning: Option<(Vec<u32>, Vec<u32>)>,
@@ -191,7 +189,6 @@ impl Constraint {
             // other clone, and sequences of one schema would then take their masks in turn.
             matcher: Box::new(Matcher::new(Ok(grammar.0.deep_clone()))),
             mask: None,
-            last_mask_wide: false,
             reasoning: None,
         }
     }
@@ -221,17 +218,8 @@ impl Constraint {
             return Duration::ZERO;
         }
         let start = Instant::now();
-        let mask = self.matcher.compute_mask().map_err(|e| e.to_string());
-        self.last_mask_wide = mask.as_ref().is_ok_and(|m| m.num_set() * 2 > m.len());
-        self.mask = Some(mask);
+        self.mask = Some(self.matcher.compute_mask().map_err(|e| e.to_string()));
         start.elapsed()
-    }
-
-    /// Whether the last mask computed allowed most of the vocabulary: the output is inside a
-    /// string or another wide lexeme, where a mask walks nearly the whole token trie (the
-    /// costliest masks) and nearly any token the model picks is allowed.
-    pub fn last_mask_wide(&self) -> bool {
-        self.last_mask_wide
     }
 
     /// The next token's bitmask (bit `t % 32` of word `t / 32` allows token `t`), or `None`
@@ -266,24 +254,6 @@ impl Constraint {
             ingot_backend::sampling::apply_mask(logits, mask);
         }
         Ok(())
-    }
-
-    /// Advances past `token` where the grammar allows it (`Ok(Some(true))` when it is then
-    /// complete); `Ok(None)`, with nothing changed, where it does not: a token picked
-    /// without the mask.
-    pub fn try_accept(&mut self, token: u32) -> Result<Option<bool>> {
-        if !self.is_active() {
-            return self.accept(token).map(Some);
-        }
-        let consumed = self
-            .matcher
-            .try_consume_tokens(&[token])
-            .map_err(|e| anyhow!("structured output failed at token {token}: {e}"))?;
-        if consumed == 0 {
-            return Ok(None);
-        }
-        self.mask = None;
-        Ok(Some(self.matcher.is_stopped()))
     }
 
     /// Advances past an accepted token; `Ok(true)` when the grammar is complete and allows

@@ -249,18 +249,8 @@ impl Metrics {
         );
         counter(
             "ingot:structured_output_masks",
-            "Token masks computed for structured output (for each constrained token picked under its mask, and each picked without it that its grammar refused)",
+            "Token masks computed for structured output (one per constrained token)",
             s.structured.masks,
-        );
-        counter(
-            "ingot:structured_output_checked_tokens",
-            "Structured-output tokens picked without a mask (plain greedy rows on a device) and checked against their grammar after",
-            s.structured.checked,
-        );
-        counter(
-            "ingot:structured_output_refused_tokens",
-            "Checked structured-output tokens that their grammar refused, each then masked and picked again",
-            s.structured.refused,
         );
         counter(
             "ingot:structured_output_mask_steps",

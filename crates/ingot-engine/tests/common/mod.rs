@@ -460,12 +460,10 @@ pub fn seeded_sampling_on_the_device<B: Backend + 'static>(
     assert!(forced.iter().all(|t| t == &[42; 5]), "{forced:?}");
 }
 
-/// Structured output sampled on `backend`'s device gives the tokens the CPU engine picks on
-/// the host, greedy, for a JSON schema, a regex and a choice sharing steps with an
-/// unconstrained row: plain greedy rows picked without their masks, checked after and
-/// picked again where the grammar refuses (some are), and the JSON schema once more under
-/// its masks first (a zero logit bias makes the row not plain greedy). A seeded draw under
-/// a JSON-object constraint gives JSON.
+/// Structured output sampled on `backend`'s device (the masks in its sampling kernel) gives
+/// the tokens the CPU engine picks on the host, greedy, for a JSON schema, a regex and a
+/// choice sharing steps with an unconstrained row; a seeded draw under a JSON-object
+/// constraint gives JSON.
 pub fn constrained_greedy_on_the_device_matches_the_cpu<B: Backend + 'static>(backend: B) {
     use ingot_core::{SamplingParams, StructuredOutput};
     use serde_json::json;
@@ -496,38 +494,26 @@ pub fn constrained_greedy_on_the_device_matches_the_cpu<B: Backend + 'static>(ba
         ])),
         None,
     ];
-    let mut ps: Vec<Vec<u32>> = cases()
+    let ps: Vec<Vec<u32>> = cases()
         .iter()
         .cycle()
         .take(specs.len())
         .map(|c| c.prompt.clone())
         .collect();
-    let mut params: Vec<SamplingParams> = specs
+    let params: Vec<SamplingParams> = specs
         .iter()
         .map(|s| SamplingParams {
             structured: s.clone(),
             ..SamplingParams::greedy(24)
         })
         .collect();
-    params.push(SamplingParams {
-        logit_bias: [(0, 0.0)].into(),
-        ..params[0].clone()
-    });
-    ps.push(ps[0].clone());
     let want = ce.generate(ps.clone(), &params).unwrap();
     let got = ge.generate(ps.clone(), &params).unwrap();
-    for ((g, w), p) in got.iter().zip(&want).zip(&params) {
+    for ((g, w), s) in got.iter().zip(&want).zip(&specs) {
         let (g, w) = (&g.completions[0], &w.completions[0]);
-        assert_eq!(g.token_ids, w.token_ids, "{p:?}");
-        assert_eq!(g.text, w.text, "{p:?}");
+        assert_eq!(g.token_ids, w.token_ids, "{s:?}");
+        assert_eq!(g.text, w.text, "{s:?}");
     }
-    assert_eq!(got[4].completions[0], got[0].completions[0]);
-    let checked = ge.stats().structured;
-    assert!(
-        checked.refused > 0 && checked.checked > checked.refused,
-        "{checked:?}"
-    );
-    assert_eq!(ce.stats().structured.checked, 0);
     let choice = &got[2].completions[0].text;
     assert!(
         ["yes", "no", "maybe"].contains(&choice.as_str()),

@@ -459,23 +459,10 @@ fn event_end(buf: &[u8]) -> Option<usize> {
 }
 
 /// The engine phases whose times `/metrics` serves (`ingot:engine_step_phase_seconds`).
-const PHASES: [&str; 10] = ingot_engine::StepPhases::NAMES;
+const PHASES: [&str; 9] = ingot_engine::StepPhases::NAMES;
 
-/// The structured-output counters [`engine_counters`] reads first, in this order.
-const STRUCTURED_COUNTERS: [&str; 7] = [
-    "ingot:structured_output_masks_total",
-    "ingot:structured_output_checked_tokens_total",
-    "ingot:structured_output_refused_tokens_total",
-    "ingot:structured_output_mask_steps_total",
-    "ingot:structured_output_mask_seconds_total",
-    "ingot:structured_output_mask_step_seconds_total",
-    "ingot:structured_output_accept_seconds_total",
-];
-/// Where the engine's steps and then its [`PHASES`] are among the counters.
-const STEPS: usize = STRUCTURED_COUNTERS.len();
-
-/// ingot's counters from `/metrics`, where the server has them: the
-/// [`STRUCTURED_COUNTERS`], the engine's steps, then the time of each of its [`PHASES`].
+/// ingot's counters from `/metrics`, where the server has them: the structured-output
+/// counters, the engine's steps, then the time of each of its [`PHASES`].
 async fn engine_counters(client: &reqwest::Client, base: &str) -> Option<Vec<f64>> {
     let text = client
         .get(format!("{base}/metrics"))
@@ -489,15 +476,22 @@ async fn engine_counters(client: &reqwest::Client, base: &str) -> Option<Vec<f64
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
     };
-    let mut names: Vec<String> = STRUCTURED_COUNTERS.map(String::from).into();
-    names.push("ingot:engine_steps_total".into());
+    let mut names: Vec<String> = [
+        "ingot:structured_output_masks_total",
+        "ingot:structured_output_mask_steps_total",
+        "ingot:structured_output_mask_seconds_total",
+        "ingot:structured_output_mask_step_seconds_total",
+        "ingot:structured_output_accept_seconds_total",
+        "ingot:engine_steps_total",
+    ]
+    .map(String::from)
+    .into();
     names.extend(PHASES.map(|p| format!("ingot:engine_step_phase_seconds_total{{phase=\"{p}\"}}")));
     names.iter().map(|n| value(n)).collect()
 }
 
-/// The masks a run computed and their time per mask and per step, the tokens picked
-/// without a mask and checked after (and of those, refused), and the grammars' advances'
-/// time per step (summed over sequences), from the counters before and after it.
+/// The masks a run computed and their time per token and per step, and the grammars'
+/// advances' time per step (summed over sequences), from the counters before and after it.
 fn mask_report(before: &[f64], after: &[f64]) -> Value {
     let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
     let per = |t: f64, n: f64| {
@@ -509,22 +503,20 @@ fn mask_report(before: &[f64], after: &[f64]) -> Value {
     };
     json!({
         "masks": d[0],
-        "checked": d[1],
-        "refused": d[2],
-        "steps": d[3],
-        "mask_us_per_token": per(d[4], d[0]),
-        "mask_us_per_step": per(d[5], d[3]),
-        "accept_us_per_step": per(d[6], d[3]),
+        "steps": d[1],
+        "mask_us_per_token": per(d[2], d[0]),
+        "mask_us_per_step": per(d[3], d[1]),
+        "accept_us_per_step": per(d[4], d[1]),
     })
 }
 
 /// The engine's steps in a run and the time of each phase per step (µs), from the counters
 /// before and after it.
 fn phase_report(before: &[f64], after: &[f64]) -> Value {
-    let steps = after[STEPS] - before[STEPS];
+    let steps = after[5] - before[5];
     let mut phases = serde_json::Map::new();
     for (k, p) in PHASES.iter().enumerate() {
-        let t = after[STEPS + 1 + k] - before[STEPS + 1 + k];
+        let t = after[6 + k] - before[6 + k];
         phases.insert((*p).into(), json!((steps > 0.0).then(|| t / steps * 1e6)));
     }
     json!({"steps": steps, "us_per_step": phases})
@@ -632,9 +624,7 @@ fn print_report(r: &Value) {
     if !so.is_null() {
         let g = |k: &str| so[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "  structured output: {} tokens checked after an unmasked pick, {} of them refused; {} masks in {} steps, {:.1} µs per mask, {:.1} µs per step; grammar advances {:.1} µs per step (summed)",
-            g("checked"),
-            g("refused"),
+            "  structured output: {} masks in {} steps, {:.1} µs per mask, {:.1} µs per step; grammar advances {:.1} µs per step (summed)",
             g("masks"),
             g("steps"),
             g("mask_us_per_token"),
@@ -662,14 +652,14 @@ mod tests {
 
     #[test]
     fn phase_report_gives_each_phase_per_step_of_the_run() {
-        let mut before = vec![0.0; STEPS + 1 + PHASES.len()];
-        before[STEPS] = 10.0;
+        let mut before = vec![0.0; 6 + PHASES.len()];
+        before[5] = 10.0;
         let mut after = before.clone();
-        after[STEPS] = 14.0;
+        after[5] = 14.0;
         // 2 ms of waiting for the device and 0.4 ms of masks over the run's 4 steps.
-        let phase = |p: &str| STEPS + 1 + PHASES.iter().position(|&q| q == p).unwrap();
-        after[phase("wait_device")] = 0.002;
-        after[phase("wait_masks")] = 0.0004;
+        after[6] = 0.002;
+        let masks = PHASES.iter().position(|&p| p == "wait_masks").unwrap();
+        after[6 + masks] = 0.0004;
         let r = phase_report(&before, &after);
         assert_eq!(r["steps"], 4.0);
         let us = |p: &str| r["us_per_step"][p].as_f64().unwrap();
