@@ -1,17 +1,18 @@
 //! Structured output: a request's constraint (JSON schema, regex, choice or Lark grammar)
-//! compiled by llguidance, and one matcher per sequence that gives the tokens allowed next
+//! compiled by llguidance, and one parser per sequence that gives the tokens allowed next
 //! as a bitmask and advances with every token the sequence accepts.
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, ensure, Result};
 use ingot_core::{InvalidParam, StructuredOutput};
 use ingot_model::Tokenizer;
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::earley::SlicedBiasComputer;
 use llguidance::toktrie::{InferenceCapabilities, SimpleVob};
-use llguidance::{Matcher, ParserFactory, TokenParser};
+use llguidance::{panic_utils, ParserFactory, TokenParser};
 use lru::LruCache;
 use serde_json::json;
 use std::num::NonZeroUsize;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -63,9 +64,74 @@ pub struct Grammars {
     compiled: Arc<Mutex<LruCache<String, Grammar>>>,
 }
 
-/// A compiled constraint, not yet started: each sequence starts its own copy of it.
+/// The most lexer states a grammar's warm parser may hold (see [`Grammar`]). A state takes
+/// 1–2 kB and every sequence of the grammar starts with a copy of them: the records schema
+/// of `bench/structured.sh` meets 234 (410 kB), and 2,000 bound a copy to a few MB, far
+/// inside the 50,000 of a sequence's own lexer.
+const WARM_LEXER_STATES: usize = 2_000;
+
+/// A compiled constraint: each sequence starts its own copy of it.
+///
+/// llguidance's lexer is a DFA built lazily, state by state, as the masks' walks of the
+/// token trie meet new states, and each sequence's parser has its own (shared, it would be
+/// one lock for every sequence of the grammar). A fresh copy rebuilds what every earlier
+/// sequence built, so the grammar keeps the lexer of the sequence that met the most states
+/// so far, rewound to the grammar's start (`TokenParser::reset`), and new sequences copy
+/// that. Over 128 tokens of the records schema a mask took 16.5 µs from the compiled parser
+/// and 7.1 µs from a warm one on one thread of an H200 host; a CPU server's masks went from
+/// 29–34 to 22–23 µs (docs/benchmarks.md, 2026-12-02).
 #[derive(Clone)]
-pub struct Grammar(Arc<TokenParser>);
+pub struct Grammar(Arc<Compiled>);
+
+struct Compiled {
+    /// The parser as compiled, not started.
+    parser: TokenParser,
+    /// A finished sequence's parser rewound to the start, and its lexer's states.
+    warm: Mutex<Option<(usize, Arc<TokenParser>)>>,
+}
+
+impl Grammar {
+    fn new(parser: TokenParser) -> Grammar {
+        Grammar(Arc::new(Compiled {
+            parser,
+            warm: Mutex::new(None),
+        }))
+    }
+
+    fn warm(&self) -> std::sync::MutexGuard<'_, Option<(usize, Arc<TokenParser>)>> {
+        // A panicking holder leaves either the old parser or the new one, both whole.
+        self.0.warm.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A parser at the grammar's start for one sequence: a deep copy (a plain clone shares
+    /// the lexer behind one mutex with every other clone), of the warm parser if there is one.
+    fn start(&self) -> TokenParser {
+        let warm = self.warm().as_ref().map(|(_, p)| Arc::clone(p));
+        let mut parser = match warm {
+            Some(p) => p.deep_clone(),
+            None => self.0.parser.deep_clone(),
+        };
+        if parser.is_fresh() {
+            parser.start_without_prompt();
+        }
+        parser
+    }
+
+    /// Keeps a finished sequence's parser, rewound, as the warm one where its lexer has more
+    /// states than the warm one's (it started from a copy of it, so it holds them all) and no
+    /// more than [`WARM_LEXER_STATES`].
+    fn offer(&self, mut parser: Box<TokenParser>) {
+        let states = parser.parser.lexer_stats().num_states;
+        let kept = self.warm().as_ref().map_or(0, |(n, _)| *n);
+        if states <= kept || states > WARM_LEXER_STATES || parser.reset().is_err() {
+            return;
+        }
+        let mut warm = self.warm();
+        if warm.as_ref().is_none_or(|(n, _)| *n < states) {
+            *warm = Some((states, Arc::from(parser)));
+        }
+    }
+}
 
 impl Grammars {
     /// `vocab_size` is the model's (its logits rows), which may exceed the tokenizer's.
@@ -175,7 +241,7 @@ impl Grammars {
             .factory()?
             .create_parser(top)
             .map_err(|e| invalid(format!("the constraint does not compile: {e}")))?;
-        Ok(Grammar(Arc::new(parser)))
+        Ok(Grammar::new(parser))
     }
 
     /// The grammar `params` ask for, if any.
@@ -185,11 +251,17 @@ impl Grammars {
 }
 
 /// One sequence's constraint: where its output stands in the grammar, and the mask of the
-/// tokens allowed next once computed.
+/// tokens allowed next once computed. Its parser hands its lexer back to the grammar when
+/// the constraint is dropped ([`Grammar`]).
 pub struct Constraint {
-    /// Boxed: constraints move to the worker threads and back every step, and a matcher is
-    /// 1.5 kB, which hundreds of rows would copy each time.
-    matcher: Box<Matcher>,
+    grammar: Grammar,
+    /// The sequence's parser, started with its first mask, on a worker thread (a copy of a
+    /// warm lexer takes ~80 µs). Boxed: constraints move to the worker threads and back every
+    /// step, and a parser is over 1 kB, which hundreds of rows would copy each time.
+    parser: Option<Box<TokenParser>>,
+    /// Why the parser failed, once it has: llguidance's parser is not to be used after an
+    /// error.
+    failed: Option<String>,
     /// The next token's allowed set, or why it could not be computed.
     mask: Option<Result<SimpleVob, String>>,
     /// While the model reasons: the end marker's token ids, and the output's last tokens
@@ -200,9 +272,9 @@ pub struct Constraint {
 impl Constraint {
     pub fn new(grammar: &Grammar) -> Constraint {
         Constraint {
-            // A deep copy: a plain clone shares the lexer's cache behind one mutex with every
-            // other clone, and sequences of one schema would then take their masks in turn.
-            matcher: Box::new(Matcher::new(Ok(grammar.0.deep_clone()))),
+            grammar: grammar.clone(),
+            parser: None,
+            failed: None,
             mask: None,
             reasoning: None,
         }
@@ -211,10 +283,9 @@ impl Constraint {
     /// A constraint that starts once the output has the tokens `end` (the end of a
     /// reasoning section); before, every token is allowed.
     pub fn after(grammar: &Grammar, end: Vec<u32>) -> Constraint {
-        Constraint {
-            reasoning: (!end.is_empty()).then_some((end, vec![])),
-            ..Constraint::new(grammar)
-        }
+        let mut c = Constraint::new(grammar);
+        c.reasoning = (!end.is_empty()).then_some((end, vec![]));
+        c
     }
 
     /// Whether the grammar constrains the next token (the reasoning, if any, is over).
@@ -233,8 +304,27 @@ impl Constraint {
             return Duration::ZERO;
         }
         let start = Instant::now();
-        self.mask = Some(self.matcher.compute_mask().map_err(|e| e.to_string()));
+        self.mask = Some(self.run(|p| p.compute_mask()));
         start.elapsed()
+    }
+
+    /// Runs `f` on the parser, started if it is not yet; an error or a panic in llguidance
+    /// fails the constraint for good (as llguidance's `Matcher` does).
+    fn run<T>(
+        &mut self,
+        f: impl FnOnce(&mut TokenParser) -> Result<T>,
+    ) -> std::result::Result<T, String> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let parser = self
+            .parser
+            .get_or_insert_with(|| Box::new(self.grammar.start()));
+        panic_utils::catch_unwind(AssertUnwindSafe(|| f(parser))).map_err(|e| {
+            let e = parser.augment_err(e);
+            self.failed = Some(e.clone());
+            e
+        })
     }
 
     /// The next token's bitmask (bit `t % 32` of word `t / 32` allows token `t`), or `None`
@@ -285,10 +375,23 @@ impl Constraint {
             return Ok(false);
         }
         self.mask = None;
-        self.matcher
-            .consume_token(token)
-            .map_err(|e| anyhow!("structured output rejected token {token}: {e}"))?;
-        Ok(self.matcher.is_stopped())
+        self.run(|p| {
+            let backtrack = p.consume_token(token)?;
+            ensure!(backtrack == 0, "the grammar backtracked");
+            p.check_stop()?;
+            Ok(p.stopped())
+        })
+        .map_err(|e| anyhow!("structured output rejected token {token}: {e}"))
+    }
+}
+
+impl Drop for Constraint {
+    fn drop(&mut self) {
+        if self.failed.is_none() {
+            if let Some(parser) = self.parser.take() {
+                self.grammar.offer(parser);
+            }
+        }
     }
 }
 
@@ -296,6 +399,70 @@ impl Constraint {
 mod tests {
     use super::*;
     use ingot_model::testing::test_model_path;
+    use llguidance::Matcher;
+
+    /// The masks along `text` under `c`, and whether each token completed the grammar.
+    fn walk(c: &mut Constraint, tokenizer: &Tokenizer, text: &str) -> Vec<(Vec<u32>, bool)> {
+        let tokens = tokenizer.encode(text, false).unwrap();
+        tokens
+            .iter()
+            .map(|&t| {
+                c.compute_mask();
+                let mask = c.allowed().unwrap().unwrap().to_vec();
+                (mask, c.accept(t).unwrap())
+            })
+            .collect()
+    }
+
+    /// A sequence that starts from the lexer a finished one handed back gets the masks of a
+    /// sequence that starts from the compiled parser, to the grammar's end.
+    #[test]
+    fn a_warm_parser_gives_the_masks_of_a_fresh_one() {
+        let Some(path) = test_model_path() else {
+            return;
+        };
+        let tokenizer = Arc::new(Tokenizer::open(&path).unwrap());
+        let schema = StructuredOutput::JsonSchema(json!({
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                               "name": {"type": "string", "maxLength": 24},
+                               "score": {"type": "number"}},
+                "required": ["id", "name", "score"],
+                "additionalProperties": false
+            },
+            "maxItems": 3
+        }));
+        let (warmed, fresh) = (
+            Grammars::new(tokenizer.clone(), 49152),
+            Grammars::new(tokenizer.clone(), 49152),
+        );
+        let grammar = warmed.compile(&schema).unwrap();
+        let first = r#"[{"id": 41, "name": "Ada Lovelace", "score": 3.5}, {"id": 7, "name": "x", "score": -1e3}]"#;
+        walk(&mut Constraint::new(&grammar), &tokenizer, first);
+        let states = grammar.warm().as_ref().map(|(n, _)| *n);
+        let cold = grammar.0.parser.parser.lexer_stats().num_states;
+        assert!(
+            states.is_some_and(|n| n > cold),
+            "the finished sequence's lexer ({states:?} states) was not kept over the compiled one's {cold}"
+        );
+        let second = r#"[{"id": 99999, "name": "The quick brown fox jump", "score": 0}, {"id": 0, "name": "", "score": 12.25}, {"id": 5, "name": "tab\tquote\"", "score": 1}]"#;
+        let from_warm = walk(&mut Constraint::new(&grammar), &tokenizer, second);
+        let from_fresh = walk(
+            &mut Constraint::new(&fresh.compile(&schema).unwrap()),
+            &tokenizer,
+            second,
+        );
+        assert_eq!(from_warm.len(), from_fresh.len());
+        for (i, (w, f)) in from_warm.iter().zip(&from_fresh).enumerate() {
+            assert!(w == f, "token {i}: the masks or the ends differ");
+        }
+        assert!(
+            from_warm.last().unwrap().1,
+            "the text completes the grammar"
+        );
+    }
 
     /// The slices beside llguidance's defaults change how a mask is computed, not the mask:
     /// along a JSON text under a schema with bounded strings, every mask equals the one
