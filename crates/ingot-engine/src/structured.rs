@@ -67,7 +67,8 @@ pub struct Grammars {
 /// The most lexer states a grammar's warm parser may hold (see [`Grammar`]). A state takes
 /// 1–2 kB and every sequence of the grammar starts with a copy of them: the records schema
 /// of `bench/structured.sh` meets 234 (410 kB), and 2,000 bound a copy to a few MB, far
-/// inside the 50,000 of a sequence's own lexer.
+/// inside the 50,000 of a sequence's own lexer, and the warm parsers of the cache's
+/// [`CACHED_GRAMMARS`] to a few hundred MB at worst.
 const WARM_LEXER_STATES: usize = 2_000;
 
 /// A compiled constraint: each sequence starts its own copy of it.
