@@ -2,6 +2,7 @@
 
 use crate::detokenizer::Detokenizer;
 use crate::embedding::PooledSeq;
+use crate::mask_job::MaskJob;
 use crate::runner::{ModelRunner, RunnerConfig, StepInput};
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::step_phases::{lap, StepPhases};
@@ -13,10 +14,9 @@ use ingot_core::{
     FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
 };
 use ingot_model::{Activations, Head, KvCache, Model, Pooling, PoolingType, Tokenizer};
-use rayon::prelude::*;
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub type RequestId = u64;
@@ -261,94 +261,6 @@ struct InFlight {
     /// The rows and edits of a step sampled on the device, queued with its masks once
     /// they are in; taken then.
     device_rows: Option<(Vec<SampleRow>, Vec<LogitEdit>)>,
-}
-
-/// Masks being computed on the worker threads.
-struct MaskJob(mpsc::Receiver<Masks>);
-
-/// A mask job's outcome: the constraints that hold the masks (and that the job took for any
-/// other reason); the same masks as the device takes them (`rows[i]`'s in row `i`, where
-/// `staged[i]`); for the rows it advanced past a token, whether their grammar is now
-/// complete (or why it refused the token); how many masks, the sum of their times and of
-/// the advances', and the wall time of the whole.
-struct Masks {
-    rows: Vec<(SeqId, Constraint)>,
-    staging: Vec<u32>,
-    staged: Vec<bool>,
-    advanced: Vec<(SeqId, Result<bool>)>,
-    computed: usize,
-    total: Duration,
-    advance_total: Duration,
-    wall: Duration,
-}
-
-/// One row of a mask job: its grammar's advance (the outcome and its time), if it
-/// advanced, and its mask's time, if it computed and staged one.
-type RowDone = (Option<(Result<bool>, Duration)>, Option<Duration>);
-
-/// Runs a mask job on the worker threads, a row at a time: where `advance[i]` holds a token
-/// (and whether the sequence goes on after it), the row's grammar first advances past it
-/// and computes its next mask only if the sequence goes on and the grammar neither completed
-/// nor refused; other rows compute their mask. Each mask is written into its row of
-/// `staging` (`words` words a row) by the thread that computed it, so that the engine thread
-/// uploads the masks without gathering megabytes itself. Advance and mask in one task a row
-/// (rather than all advances, then all masks) leave no thread waiting for the slowest
-/// advance before it starts on masks.
-fn run_mask_job(
-    mut rows: Vec<(SeqId, Constraint)>,
-    advance: &[Option<(u32, bool)>],
-    mut staging: Vec<u32>,
-    words: usize,
-) -> Masks {
-    let start = Instant::now();
-    staging.resize(rows.len() * words, 0);
-    let done: Vec<RowDone> = rows
-        .par_iter_mut()
-        .zip(staging.par_chunks_mut(words))
-        .zip(advance)
-        .map(|(((_, c), row), step)| {
-            let advanced = step.map(|(token, _)| {
-                let started = Instant::now();
-                (c.accept(token), started.elapsed())
-            });
-            let wanted = match (step, &advanced) {
-                (Some((_, goes_on)), Some((outcome, _))) => {
-                    *goes_on && matches!(outcome, Ok(false)) && c.is_active()
-                }
-                _ => true,
-            };
-            if !wanted {
-                return (advanced, None);
-            }
-            let took = c.compute_mask();
-            (advanced, c.write_mask(row).then_some(took))
-        })
-        .collect();
-    let mut advanced = Vec::new();
-    let mut advance_total = Duration::ZERO;
-    let mut staged = Vec::with_capacity(done.len());
-    let (mut computed, mut total) = (0, Duration::ZERO);
-    for ((id, _), (outcome, mask)) in rows.iter().zip(done) {
-        if let Some((outcome, took)) = outcome {
-            advanced.push((*id, outcome));
-            advance_total += took;
-        }
-        staged.push(mask.is_some());
-        if let Some(took) = mask {
-            computed += 1;
-            total += took;
-        }
-    }
-    Masks {
-        rows,
-        staging,
-        staged,
-        advanced,
-        computed,
-        total,
-        advance_total,
-        wall: start.elapsed(),
-    }
 }
 
 /// A sampled sequence's token, before it is committed.
@@ -1086,14 +998,10 @@ impl<B: Backend> Engine<B> {
         if rows.is_empty() {
             return;
         }
-        let (tx, rx) = mpsc::channel();
         let words = mask_words(self.runner.vocab_size());
-        rayon::spawn(move || {
-            let advance = vec![None; rows.len()];
-            // The engine waits for this unless it failed and went away.
-            let _ = tx.send(run_mask_job(rows, &advance, vec![], words));
-        });
-        self.mask_jobs.push(MaskJob(rx));
+        let advance = vec![None; rows.len()];
+        self.mask_jobs
+            .push(MaskJob::start(rows, advance, vec![], words));
     }
 
     /// Completes the submitted step once its masks are in: the constraints go back to their
@@ -1109,10 +1017,8 @@ impl<B: Backend> Engine<B> {
         let mut masks = std::mem::take(&mut self.mask_rows);
         masks.clear();
         let mut staged_rows = HashMap::new();
-        for MaskJob(rx) in std::mem::take(&mut self.mask_jobs) {
-            let job = rx
-                .recv()
-                .map_err(|_| anyhow!("a structured-output mask worker failed"))?;
+        for job in std::mem::take(&mut self.mask_jobs) {
+            let job = job.wait()?;
             computed += job.computed;
             wall += job.wall;
             self.structured_stats.mask_seconds += job.total.as_secs_f64();
@@ -1436,14 +1342,10 @@ impl<B: Backend> Engine<B> {
         if rows.is_empty() {
             return;
         }
-        let (tx, rx) = mpsc::channel();
         let staging = std::mem::take(&mut self.mask_rows);
         let words = mask_words(self.runner.vocab_size());
-        rayon::spawn(move || {
-            // The engine waits for this unless it failed and went away.
-            let _ = tx.send(run_mask_job(rows, &advance, staging, words));
-        });
-        self.mask_jobs.push(MaskJob(rx));
+        self.mask_jobs
+            .push(MaskJob::start(rows, advance, staging, words));
     }
 
     /// Applies the outcome of the grammars' advance past `tokens`: a complete grammar ends

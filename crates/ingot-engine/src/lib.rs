@@ -6,6 +6,7 @@ pub mod detokenizer;
 mod embedding;
 pub mod engine;
 pub mod engine_loop;
+mod mask_job;
 pub mod runner;
 pub mod sampler;
 mod step_phases;
