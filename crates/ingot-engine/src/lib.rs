@@ -6,7 +6,7 @@ pub mod detokenizer;
 mod embedding;
 pub mod engine;
 pub mod engine_loop;
-mod mask_job;
+pub mod mask_job;
 pub mod runner;
 pub mod sampler;
 mod step_phases;
@@ -18,6 +18,7 @@ pub use engine::{
     StepInfo, StructuredStats,
 };
 pub use engine_loop::{EngineHandle, Event, Events, Failure, SubmitError};
+pub use mask_job::{MaskJob, Masks};
 pub use runner::{ModelRunner, RunnerConfig, StepInput};
 pub use sampler::{Sampler, TokenLogprobs};
 pub use step_phases::StepPhases;

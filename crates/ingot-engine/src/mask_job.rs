@@ -10,14 +10,14 @@ use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Masks being computed on the worker threads.
-pub(crate) struct MaskJob(mpsc::Receiver<Masks>);
+pub struct MaskJob(mpsc::Receiver<Masks>);
 
 /// A mask job's outcome: the constraints that hold the masks (and that the job took for any
 /// other reason); the same masks as the device takes them (`rows[i]`'s in row `i`, where
 /// `staged[i]`); for the rows it advanced past a token, whether their grammar is now
 /// complete (or why it refused the token); how many masks, the sum of their times and of
 /// the advances', and the wall time of the whole.
-pub(crate) struct Masks {
+pub struct Masks {
     pub rows: Vec<(SeqId, Constraint)>,
     pub staging: Vec<u32>,
     pub staged: Vec<bool>,

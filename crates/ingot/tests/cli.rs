@@ -141,6 +141,46 @@ fn bad_arguments_are_reported() {
     assert!(String::from_utf8_lossy(&dtype.stderr).contains("int3"));
 }
 
+/// `bench masks` steps its rows through the schema's answer: a mask a row a step, timed;
+/// a text the schema refuses is an error naming the token.
+#[test]
+fn bench_masks_walks_the_answer_and_refuses_a_text_the_schema_does_not_allow() {
+    let Some(model) = ingot_model::testing::test_model_path() else {
+        return;
+    };
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/schemas");
+    let (schema, answer) = (
+        format!("{root}/records.json"),
+        format!("{root}/records-answer.txt"),
+    );
+    let model = model.to_str().unwrap();
+    let args = [
+        "bench",
+        "masks",
+        "--tokenizer",
+        model,
+        "--json-schema",
+        &schema,
+        "--rows",
+        "3",
+        "--threads",
+        "2",
+        "--format",
+        "json",
+    ];
+    let v = ingot_json(&[&args[..], &["--text", &answer, "--steps", "20"]].concat());
+    assert_eq!(v["masks"], 60);
+    assert!(v["mask_us"].as_f64().unwrap() > 0.0);
+    assert!(v["step_wall_us"]["median"].as_f64().unwrap() > 0.0);
+    let bad = std::env::temp_dir().join(format!("ingot-bad-answer-{}.txt", std::process::id()));
+    std::fs::write(&bad, "{\"records\": 7}").unwrap();
+    let out = ingot(&[&args[..], &["--text", bad.to_str().unwrap()]].concat());
+    std::fs::remove_file(&bad).ok();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("of the text"), "{stderr}");
+}
+
 /// `bench latency` and `bench throughput` on dummy weights from a directory holding only
 /// config.json: every figure is reported, and the numbers are measured (positive, ordered
 /// and adding up as they must).

@@ -2,6 +2,7 @@
 
 mod embed;
 pub(crate) mod latency;
+mod masks;
 pub(crate) mod serve;
 mod throughput;
 
@@ -22,6 +23,10 @@ pub enum Command {
     /// Embed batches of random inputs with an embedding model (`--task embed`'s engine):
     /// inputs/s and tokens/s.
     Embed(embed::EmbedArgs),
+    /// Step rows of one JSON-schema constraint through the structured-output mask job
+    /// alone, no model: µs a mask and an advance, wall time a step, the kernel's TLB
+    /// shootdowns and page faults.
+    Masks(masks::MasksArgs),
     /// Load an OpenAI-compatible server over HTTP (ingot, llama-server, vLLM): TTFT, TPOT,
     /// ITL and end-to-end latency under a request rate or a concurrency cap.
     Serve(serve::ServeArgs),
@@ -32,6 +37,7 @@ pub fn run(cmd: Command) -> Result<()> {
         Command::Latency(args) => args.model.clone().on_backend(args),
         Command::Throughput(args) => args.model.clone().on_backend(args),
         Command::Embed(args) => args.model.clone().on_backend(args),
+        Command::Masks(args) => masks::run(args),
         Command::Serve(args) => serve::run(args),
     }
 }
