@@ -1,11 +1,12 @@
-//! `ingot bench masks`: the structured-output work of a step alone, on the host: rows of one
-//! JSON-schema constraint stepped together through the engine's mask job (each row's
-//! grammar advances past its token, then computes its next mask, on the worker threads),
-//! no model. Every row walks the tokens of one answer valid under the schema (a model's:
-//! the masks' cost depends on where in the grammar a row is, and a random walk through
-//! one's masks stays mostly in whitespace, where they are cheap). Reports the time of a mask, of an advance and of a whole step, and what the host's
-//! kernel did meanwhile (TLB shootdowns and page faults of the process), which is where
-//! threads of one process slow each other down (docs/benchmarks.md, 2026-12-03).
+//! `ingot bench masks`: the structured-output work of a step alone, on the host: rows of
+//! one JSON-schema constraint stepped together through the engine's mask job (each row's
+//! grammar advances past its token, then computes its next mask, on the worker threads), no
+//! model. Every row walks the tokens of one answer valid under the schema (a model's: the
+//! masks' cost depends on where in the grammar a row is, and a random walk through one's
+//! masks stays mostly in whitespace, where they are cheap). Reports the time of a mask, of
+//! an advance and of a whole step, and what the host's kernel did meanwhile (TLB shootdowns
+//! and page faults of the process), which is where threads of one process slow each other
+//! down (docs/benchmarks.md, 2026-12-03).
 
 use super::{percentile, print_text, summary};
 use crate::generate::Format;
@@ -85,6 +86,7 @@ pub fn run(args: MasksArgs) -> Result<()> {
     let kernel = KernelCounters::now();
     let timed = walk(&mut rows, &tokens, words)?;
     let kernel = KernelCounters::now().since(&kernel);
+    let threads = rayon::current_num_threads();
     let masks = timed.masks.max(1) as f64;
     let wall_us: Vec<f64> = timed.walls.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     let report = json!({
@@ -92,7 +94,7 @@ pub fn run(args: MasksArgs) -> Result<()> {
         "json_schema": args.json_schema,
         "rows": args.rows,
         "steps": steps,
-        "threads": rayon::current_num_threads(),
+        "threads": threads,
         "masks": timed.masks,
         "mask_us": timed.mask.as_secs_f64() * 1e6 / masks,
         "advance_us": timed.advance.as_secs_f64() * 1e6 / masks,
@@ -107,7 +109,7 @@ pub fn run(args: MasksArgs) -> Result<()> {
                 "{} rows x {} steps on {} threads: {} masks, {:.1} µs a mask, {:.1} µs an advance (each on its worker thread)",
                 args.rows,
                 steps,
-                rayon::current_num_threads(),
+                threads,
                 timed.masks,
                 report["mask_us"].as_f64().unwrap_or(0.0),
                 report["advance_us"].as_f64().unwrap_or(0.0),
