@@ -54,6 +54,7 @@ impl MaskJob {
         staging: Vec<u32>,
         words: usize,
     ) -> MaskJob {
+        assert_eq!(rows.len(), advance.len(), "an advance (or none) a row");
         let (tx, rx) = mpsc::channel();
         rayon::spawn(move || {
             // The engine waits for this unless it failed and went away.

@@ -141,8 +141,8 @@ fn bad_arguments_are_reported() {
     assert!(String::from_utf8_lossy(&dtype.stderr).contains("int3"));
 }
 
-/// `bench masks` steps its rows through the schema's answer: a mask a row a step, timed;
-/// a text the schema refuses is an error naming the token.
+/// `bench masks` starts its rows' parsers, then steps them through the schema's answer: a
+/// mask a row a step, timed; a text the schema refuses is an error naming the token.
 #[test]
 fn bench_masks_walks_the_answer_and_refuses_a_text_the_schema_does_not_allow() {
     let Some(model) = ingot_model::testing::test_model_path() else {
@@ -172,6 +172,7 @@ fn bench_masks_walks_the_answer_and_refuses_a_text_the_schema_does_not_allow() {
     assert_eq!(v["masks"], 60);
     assert!(v["mask_us"].as_f64().unwrap() > 0.0);
     assert!(v["step_wall_us"]["median"].as_f64().unwrap() > 0.0);
+    assert!(v["start_wall_us"].as_f64().unwrap() > 0.0);
     let bad = std::env::temp_dir().join(format!("ingot-bad-answer-{}.txt", std::process::id()));
     std::fs::write(&bad, "{\"records\": 7}").unwrap();
     let out = ingot(&[&args[..], &["--text", bad.to_str().unwrap()]].concat());
