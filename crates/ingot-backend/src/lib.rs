@@ -10,6 +10,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod dtype;
+mod host_buffer;
 pub mod quant;
 pub mod sampling;
 #[cfg(feature = "wgpu")]
@@ -17,6 +18,7 @@ pub mod wgpu;
 
 pub use collective::Collective;
 pub use dtype::DType;
+pub use host_buffer::HostBuffer;
 pub use sampling::{LogitEdit, SampleRow};
 use std::sync::Arc;
 
@@ -425,6 +427,16 @@ pub trait Backend: Send + Sync {
     fn alloc(&self, dtype: DType, numel: usize) -> anyhow::Result<Self::Buffer>;
     /// Copies raw bytes in the buffer's own layout into the start of `dst`.
     fn upload(&self, dst: &mut Self::Buffer, bytes: &[u8]) -> anyhow::Result<()>;
+    /// Host memory for `capacity` words of a step's inputs, kept from step to step and
+    /// uploaded with [`Backend::upload_host`]: page-locked where the device then copies
+    /// from it without the host (CUDA).
+    fn alloc_host(&self, capacity: usize) -> anyhow::Result<HostBuffer> {
+        Ok(HostBuffer::with_capacity(capacity))
+    }
+    /// Copies `src`'s words into the start of `dst` (an i32/u32 buffer).
+    fn upload_host(&self, dst: &mut Self::Buffer, src: &HostBuffer) -> anyhow::Result<()> {
+        self.upload(dst, bytemuck::cast_slice(src.as_slice()))
+    }
     fn download_f32(&self, src: &Self::Buffer, numel: usize) -> anyhow::Result<Vec<f32>>;
     /// Waits for enqueued work and reports any error it raised.
     fn synchronize(&self) -> anyhow::Result<()>;

@@ -10,7 +10,7 @@ mod conformance;
 
 use conformance::{Dtypes, FLOATS};
 use ingot_backend::cuda::CudaBackend;
-use ingot_backend::DType;
+use ingot_backend::{Backend, DType};
 
 const DTYPES: Dtypes = Dtypes {
     activations: &FLOATS,
@@ -124,6 +124,16 @@ fn argmax_picks_the_first_maximum_like_the_cpu() {
 #[ignore = "needs an NVIDIA GPU"]
 fn sampling_picks_the_cpu_reference_token() {
     conformance::sampling_picks_the_cpu_reference_token(&gpu(), true);
+}
+
+/// The host buffer is page-locked here: each upload is a DMA behind 50 argmax passes over
+/// 39 MB (some hundreds of µs), while the host writes the next round's words.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn host_buffer_uploads_what_was_written() {
+    let g = gpu();
+    assert!(g.alloc_host(16).unwrap().is_pinned());
+    conformance::host_buffer_uploads_what_was_written(&g, 50);
 }
 
 /// The products run through cuBLASLt here (more than the GEMV's 4 rows), whose kernels

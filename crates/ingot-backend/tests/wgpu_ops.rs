@@ -176,6 +176,13 @@ fn sampling_picks_the_cpu_reference_token() {
 }
 
 #[test]
+fn host_buffer_uploads_what_was_written() {
+    for g in backends() {
+        conformance::host_buffer_uploads_what_was_written(&g, 1);
+    }
+}
+
+#[test]
 fn recorded_steps_replay_on_new_inputs() {
     for g in backends() {
         conformance::recorded_steps_replay_on_new_inputs(&g, DType::F32);

@@ -9,7 +9,7 @@ use crate::step_phases::{lap, StepPhases};
 use crate::structured::{Constraint, Grammar, Grammars};
 use anyhow::{anyhow, bail, Context, Result};
 use ingot_backend::sampling::mask_words;
-use ingot_backend::{host_available_memory, Backend, DType, LogitEdit, SampleRow};
+use ingot_backend::{host_available_memory, Backend, DType, HostBuffer, LogitEdit, SampleRow};
 use ingot_core::{
     FinishReason, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, Sequence,
 };
@@ -223,8 +223,9 @@ pub struct Engine<B: Backend> {
     /// (or why it refused its token), until settled.
     advanced: HashMap<SeqId, Result<bool>>,
     /// The masks of a step's constrained rows as uploaded, kept from step to step so that
-    /// their megabytes are not allocated (and faulted in) anew each time.
-    mask_rows: Vec<u32>,
+    /// their megabytes are not allocated (and faulted in) anew each time, in the memory the
+    /// backend uploads from fastest (page-locked on CUDA).
+    mask_rows: HostBuffer,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -491,6 +492,10 @@ impl<B: Backend> Engine<B> {
             prefix_caching,
         });
         let grammars = Grammars::new(tokenizer.clone(), runner.vocab_size());
+        let mask_rows = runner
+            .backend
+            .alloc_host(max_num_seqs * mask_words(runner.vocab_size()))
+            .context("allocating the host memory of the structured-output masks")?;
         Ok(Engine {
             runner: ManuallyDrop::new(runner),
             scheduler,
@@ -509,7 +514,7 @@ impl<B: Backend> Engine<B> {
             in_flight: None,
             mask_jobs: vec![],
             advanced: HashMap::new(),
-            mask_rows: vec![],
+            mask_rows,
         })
     }
 
@@ -1001,7 +1006,7 @@ impl<B: Backend> Engine<B> {
         let words = mask_words(self.runner.vocab_size());
         let advance = vec![None; rows.len()];
         self.mask_jobs
-            .push(MaskJob::start(rows, advance, vec![], words));
+            .push(MaskJob::start(rows, advance, HostBuffer::default(), words));
     }
 
     /// Completes the submitted step once its masks are in: the constraints go back to their
@@ -1013,7 +1018,8 @@ impl<B: Backend> Engine<B> {
         let words = mask_words(self.runner.vocab_size());
         // The jobs' mask rows end to end (the first job's rows in place), and each staged
         // sequence's row among them. The advance's job took the rows kept from the last
-        // step, and a step without it uses them here.
+        // step, and a step without it uses them here. The page-locked buffer is the one
+        // kept, whichever job held it.
         let mut masks = std::mem::take(&mut self.mask_rows);
         masks.clear();
         let mut staged_rows = HashMap::new();
@@ -1025,10 +1031,11 @@ impl<B: Backend> Engine<B> {
             self.structured_stats.accept_seconds += job.advance_total.as_secs_f64();
             self.advanced.extend(job.advanced);
             let first_row = masks.len() / words;
-            if masks.is_empty() && job.staging.capacity() >= masks.capacity() {
+            let roomier = |b: &HostBuffer| (b.is_pinned(), b.capacity());
+            if masks.is_empty() && roomier(&job.staging) >= roomier(&masks) {
                 masks = job.staging;
             } else {
-                masks.extend_from_slice(&job.staging);
+                masks.extend_from_slice(job.staging.as_slice());
             }
             for (i, ((id, c), staged)) in job.rows.into_iter().zip(job.staged).enumerate() {
                 if staged {
@@ -1065,8 +1072,8 @@ impl<B: Backend> Engine<B> {
             let constraint = self.seqs.get(id).and_then(|s| s.constraint.as_ref());
             if let Some(c) = constraint {
                 let start = masks.len();
-                masks.resize(start + words, 0);
-                if c.write_mask(&mut masks[start..]) {
+                masks.resize(start + words);
+                if c.write_mask(&mut masks.as_mut_slice()[start..]) {
                     row.mask = (masks.len() / words) as u32;
                 } else {
                     masks.truncate(start);

@@ -5,6 +5,7 @@
 
 use crate::structured::Constraint;
 use anyhow::{anyhow, Result};
+use ingot_backend::HostBuffer;
 use ingot_core::SeqId;
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ pub struct MaskJob(mpsc::Receiver<Masks>);
 /// the advances', and the wall time of the whole.
 pub struct Masks {
     pub rows: Vec<(SeqId, Constraint)>,
-    pub staging: Vec<u32>,
+    pub staging: HostBuffer,
     pub staged: Vec<bool>,
     pub advanced: Vec<(SeqId, Result<bool>)>,
     pub computed: usize,
@@ -51,7 +52,7 @@ impl MaskJob {
     pub fn start(
         rows: Vec<(SeqId, Constraint)>,
         advance: Vec<Option<(u32, bool)>>,
-        staging: Vec<u32>,
+        staging: HostBuffer,
         words: usize,
     ) -> MaskJob {
         assert_eq!(rows.len(), advance.len(), "an advance (or none) a row");
@@ -85,16 +86,16 @@ fn worker_of(id: SeqId, threads: usize) -> usize {
 fn run(
     mut rows: Vec<(SeqId, Constraint)>,
     advance: &[Option<(u32, bool)>],
-    mut staging: Vec<u32>,
+    mut staging: HostBuffer,
     words: usize,
 ) -> Masks {
     let start = Instant::now();
-    staging.resize(rows.len() * words, 0);
+    staging.resize(rows.len() * words);
     let threads = rayon::current_num_threads();
     let mut groups: Vec<Vec<RowWork>> = (0..threads).map(|_| vec![]).collect();
     for (i, (((id, c), row), step)) in rows
         .iter_mut()
-        .zip(staging.chunks_mut(words))
+        .zip(staging.as_mut_slice().chunks_mut(words))
         .zip(advance)
         .enumerate()
     {
@@ -220,13 +221,13 @@ mod tests {
             .enumerate()
             .map(|(i, &id)| (id, Constraint::new(of(i))))
             .collect();
-        let first = run(rows, &vec![None; n], vec![], words);
+        let first = run(rows, &vec![None; n], HostBuffer::default(), words);
         assert_eq!(first.computed, n);
         let mut picked = vec![];
         for (i, (id, _)) in first.rows.iter().enumerate() {
             assert_eq!(*id, ids[i], "the rows come back in their order");
             assert!(first.staged[i]);
-            let row = &first.staging[i * words..(i + 1) * words];
+            let row = &first.staging.as_slice()[i * words..(i + 1) * words];
             assert!(row == mask_after(of(i), &[], words), "row {i}'s first mask");
             let word = row.iter().position(|&w| w != 0).unwrap();
             picked.push((word * 32) as u32 + row[word].trailing_zeros());
@@ -238,7 +239,7 @@ mod tests {
         assert_eq!(advanced, ids);
         for (i, (_, outcome)) in second.advanced.iter().enumerate() {
             assert!(!outcome.as_ref().unwrap(), "row {i}'s grammar goes on");
-            let row = &second.staging[i * words..(i + 1) * words];
+            let row = &second.staging.as_slice()[i * words..(i + 1) * words];
             assert!(
                 row == mask_after(of(i), &picked[i..=i], words),
                 "row {i}'s mask after its token"

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, ensure, Result};
 use ingot_backend::sampling::mask_words;
-use ingot_backend::{Backend, CacheLayout, DType, LogitEdit, SampleRow};
+use ingot_backend::{Backend, CacheLayout, DType, HostBuffer, LogitEdit, SampleRow};
 use ingot_model::{Activations, Head, KvCache, Model, StepBuffers};
 use std::sync::{mpsc, Arc};
 
@@ -266,7 +266,12 @@ impl<B: Backend> ModelRunner<B> {
     /// Queues, after the submitted step, a pick of each sampled row's token on the device
     /// with its [`SampleRow`], edits and bitmask (`masks` holds the masked rows' bitmasks
     /// back to back, [`mask_words`] words each), replacing the greedy tokens.
-    pub fn sample(&mut self, rows: &[SampleRow], edits: &[LogitEdit], masks: &[u32]) -> Result<()> {
+    pub fn sample(
+        &mut self,
+        rows: &[SampleRow],
+        edits: &[LogitEdit],
+        masks: &HostBuffer,
+    ) -> Result<()> {
         ensure!(
             rows.len() == self.num_sampled,
             "one sample row per sampled token of the submitted step"
@@ -288,7 +293,7 @@ impl<B: Backend> ModelRunner<B> {
         }
         b.upload(&mut self.sample_rows, bytemuck::cast_slice(rows))?;
         b.upload(&mut self.logit_edits, bytemuck::cast_slice(edits))?;
-        b.upload(&mut self.masks, bytemuck::cast_slice(masks))?;
+        b.upload_host(&mut self.masks, masks)?;
         b.run_step(|| {
             b.sample(
                 &mut self.acts.logits,

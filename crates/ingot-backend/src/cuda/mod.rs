@@ -12,15 +12,17 @@ mod library;
 mod module;
 mod nccl;
 mod peer_all_reduce;
+mod pinned;
 mod tma_product;
 
 pub use library::search_dirs;
 pub use module::{compile, PROGRAMS};
+pub(crate) use pinned::PinnedWords;
 
 use crate::{
     rms_norm_moe_then_add, rms_norm_qkv_then_rope_kv_write, rms_norm_then_matmul,
-    AttentionMetadata, Backend, CacheLayout, DType, MatmulOut, MemoryInfo, MlpScratch, MoeLayer,
-    MoeScratch, MoeShape, QkvLayout, RopeKvWrite,
+    AttentionMetadata, Backend, CacheLayout, DType, HostBuffer, MatmulOut, MemoryInfo, MlpScratch,
+    MoeLayer, MoeScratch, MoeShape, QkvLayout, RopeKvWrite,
 };
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
@@ -813,6 +815,18 @@ impl Backend for CudaBackend {
         }
         let mut view = dst.slice.slice_mut(..bytes.len());
         self.stream.memcpy_htod(bytes, &mut view)?;
+        Ok(())
+    }
+
+    fn alloc_host(&self, capacity: usize) -> Result<HostBuffer> {
+        Ok(HostBuffer::pinned(PinnedWords::new(&self.ctx, capacity)?))
+    }
+
+    fn upload_host(&self, dst: &mut CudaBuffer, src: &HostBuffer) -> Result<()> {
+        self.upload(dst, bytemuck::cast_slice(src.as_slice()))?;
+        if let Some(words) = src.pinned_words() {
+            words.uploaded(&self.stream)?;
+        }
         Ok(())
     }
 

@@ -1542,6 +1542,40 @@ pub fn argmax_picks_the_first_maximum_like_the_cpu<G: Backend>(g: &G) {
     }
 }
 
+/// Each upload from a backend's host buffer carries the words written before it, though the
+/// host rewrites the buffer right after while the device is still busy with `busy` passes of
+/// an argmax queued before each upload (a page-locked buffer's writes must wait for the
+/// device's read), and past the buffer's capacity (it moves to ordinary memory).
+pub fn host_buffer_uploads_what_was_written<G: Backend>(g: &G, busy: usize) {
+    let (rows, vocab) = (64, 151936);
+    let logits = up(g, &vec![0.5; rows * vocab], DType::F32);
+    let mut picks = g.alloc(DType::I32, rows).unwrap();
+    let capacity = 3 * 1536 + 7;
+    let mut host = g.alloc_host(capacity).unwrap();
+    let mut uploaded = vec![];
+    for (round, len) in [capacity, 1, 1536, capacity + 100, 5]
+        .into_iter()
+        .enumerate()
+    {
+        let words: Vec<u32> = (0..len as u32)
+            .map(|i| i.wrapping_mul(2654435761) ^ round as u32)
+            .collect();
+        host.clear();
+        host.extend_from_slice(&words);
+        for _ in 0..busy {
+            g.argmax(&logits, rows, vocab, &mut picks);
+        }
+        let mut dev = g.alloc(DType::I32, len).unwrap();
+        g.upload_host(&mut dev, &host).unwrap();
+        uploaded.push((dev, words));
+    }
+    for (round, (dev, words)) in uploaded.iter().enumerate() {
+        let got = g.download_i32(dev, words.len()).unwrap();
+        let got: Vec<u32> = got.iter().map(|&w| w as u32).collect();
+        assert!(&got == words, "upload {round} of {} words", words.len());
+    }
+}
+
 /// Runs `Backend::sample` and returns the ids and the rows it leaves in `logits`.
 fn sample_on<B: Backend>(
     b: &B,

@@ -12,6 +12,7 @@ use super::{percentile, print_text, summary};
 use crate::generate::Format;
 use anyhow::{bail, ensure, Context, Result};
 use ingot_backend::sampling::mask_words;
+use ingot_backend::HostBuffer;
 use ingot_core::StructuredOutput;
 use ingot_engine::structured::Constraint;
 use ingot_engine::{Grammars, MaskJob};
@@ -154,7 +155,7 @@ struct Walk {
 fn start(rows: &mut Vec<(u64, Constraint)>, words: usize) -> Result<Duration> {
     let started = Instant::now();
     let advance = vec![None; rows.len()];
-    let job = MaskJob::start(std::mem::take(rows), advance, vec![], words).wait()?;
+    let job = MaskJob::start(std::mem::take(rows), advance, HostBuffer::default(), words).wait()?;
     let wall = started.elapsed();
     ensure!(
         job.staged.iter().all(|&s| s),
@@ -174,7 +175,7 @@ fn walk(rows: &mut Vec<(u64, Constraint)>, tokens: &[u32], words: usize) -> Resu
         advance: Duration::ZERO,
         walls: vec![],
     };
-    let mut staging = vec![];
+    let mut staging = HostBuffer::default();
     for (i, &token) in tokens.iter().enumerate() {
         let advance = vec![Some((token, true)); rows.len()];
         let started = Instant::now();
