@@ -13,6 +13,9 @@
 pub struct HostBuffer {
     mem: Mem,
     len: usize,
+    /// How many words from the start have been written in this memory, `len` or more:
+    /// [`HostBuffer::resize_for_overwrite`] shows them again without zeroing.
+    written: usize,
 }
 
 enum Mem {
@@ -34,14 +37,18 @@ impl HostBuffer {
         HostBuffer {
             mem: Mem::Vec(Vec::with_capacity(capacity)),
             len: 0,
+            written: 0,
         }
     }
 
     #[cfg(feature = "cuda")]
     pub(crate) fn pinned(words: crate::cuda::PinnedWords) -> HostBuffer {
+        // The page-locked words are zeroed when allocated.
+        let written = words.capacity();
         HostBuffer {
             mem: Mem::Pinned(words),
             len: 0,
+            written,
         }
     }
 
@@ -124,6 +131,23 @@ impl HostBuffer {
             }
         }
         self.len = len;
+        self.written = self.written.max(len);
+    }
+
+    /// Sets its length without zeroing: the words past the old length keep what they last
+    /// held (zero where never written), for a caller that overwrites every word it then
+    /// reads. The mask job's 256 rows of masks would otherwise be a 1.5 MB memset on one
+    /// thread before its workers begin.
+    pub fn resize_for_overwrite(&mut self, len: usize) {
+        if len > self.written {
+            return self.resize(len);
+        }
+        if let Mem::Vec(v) = &mut self.mem {
+            // SAFETY: `len` is within the `written` words, all initialized in this vector's
+            // memory (a move to new memory resets `written`), and a `u32` needs no drop.
+            unsafe { v.set_len(len) };
+        }
+        self.len = len;
     }
 
     pub fn extend_from_slice(&mut self, words: &[u32]) {
@@ -140,6 +164,7 @@ impl HostBuffer {
         let mut v = Vec::with_capacity(len);
         v.extend_from_slice(self.as_slice());
         self.mem = Mem::Vec(v);
+        self.written = self.len;
     }
 }
 
@@ -172,6 +197,22 @@ mod tests {
         b.clear();
         assert!(b.is_empty());
         assert_eq!(b.capacity(), cap, "clear keeps the memory");
+        b.extend_from_slice(&[5, 6, 7]);
+        b.truncate(1);
+        b.resize_for_overwrite(3);
+        assert_eq!(
+            b.as_slice(),
+            &[5, 6, 7],
+            "the words written before show again"
+        );
+        b.resize_for_overwrite(5);
+        assert_eq!(b.as_slice(), &[5, 6, 7, 0, 9], "what the words last held");
+        b.resize_for_overwrite(7);
+        assert_eq!(
+            b.as_slice(),
+            &[5, 6, 7, 0, 9, 0, 0],
+            "zero where never written"
+        );
         let mut c = HostBuffer::with_capacity(8);
         assert_eq!((c.len(), c.capacity(), c.is_pinned()), (0, 8, false));
         c.extend_from_slice(&[7; 8]);

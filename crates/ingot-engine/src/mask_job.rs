@@ -90,7 +90,8 @@ fn run(
     words: usize,
 ) -> Masks {
     let start = Instant::now();
-    staging.resize(rows.len() * words);
+    // Every row a mask is staged in is overwritten whole (`Constraint::write_mask`).
+    staging.resize_for_overwrite(rows.len() * words);
     let threads = rayon::current_num_threads();
     let mut groups: Vec<Vec<RowWork>> = (0..threads).map(|_| vec![]).collect();
     for (i, (((id, c), row), step)) in rows
