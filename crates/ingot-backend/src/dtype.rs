@@ -3,7 +3,8 @@
 use std::fmt;
 
 /// The element type of a buffer. Quantized types store rows as consecutive blocks; a row's
-/// length must be a multiple of [`DType::block_len`].
+/// length must be a multiple of [`DType::block_len`]. The GGUF formats are laid out as GGUF
+/// defines them; [`DType::Fp8`] is ingot's own (`crate::quant::fp8`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -16,6 +17,8 @@ pub enum DType {
     Q4K,
     Q5K,
     Q6K,
+    /// FP8 e4m3 values behind an f32 scale, 128 values a block (`--quantization fp8`).
+    Fp8,
 }
 
 impl DType {
@@ -24,6 +27,7 @@ impl DType {
         match self {
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 => 1,
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Fp8 => 128,
             DType::Q4K | DType::Q5K | DType::Q6K => 256,
         }
     }
@@ -39,6 +43,7 @@ impl DType {
             DType::Q4K => 144,
             DType::Q5K => 176,
             DType::Q6K => 210,
+            DType::Fp8 => 132,
         }
     }
 
@@ -66,6 +71,7 @@ impl fmt::Display for DType {
             DType::Q4K => "Q4_K",
             DType::Q5K => "Q5_K",
             DType::Q6K => "Q6_K",
+            DType::Fp8 => "fp8",
         };
         f.write_str(s)
     }

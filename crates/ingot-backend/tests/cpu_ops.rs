@@ -97,6 +97,7 @@ fn matmul_matches_dequantize_then_f32_for_every_dtype_and_path() {
         (DType::Q4K, &[256, 512]),
         (DType::Q5K, &[256]),
         (DType::Q6K, &[256, 768]),
+        (DType::Fp8, &[128, 384]),
     ];
     for &(dtype, ks) in cases {
         for &k in ks {
@@ -227,8 +228,9 @@ fn embedding_gathers_and_dequantizes_rows() {
         DType::Q8_0,
         DType::Q4_1,
         DType::Q6K,
+        DType::Fp8,
     ] {
-        let (vocab, dim) = (11, if dtype.block_len() == 256 { 256 } else { 96 });
+        let (vocab, dim) = (11, dtype.block_len().max(96));
         let (wb, wf) = random_weight(&mut rng, dtype, vocab, dim);
         let mut table = b.alloc(dtype, vocab * dim).unwrap();
         b.upload(&mut table, &wb).unwrap();

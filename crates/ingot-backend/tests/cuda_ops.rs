@@ -18,7 +18,7 @@ const DTYPES: Dtypes = Dtypes {
     caches: |_| FLOATS.to_vec(),
 };
 
-/// The GGUF blocks the backend keeps, which run under f16 activations.
+/// The block formats the backend keeps (GGUF's and FP8), which run under f16 activations.
 const BLOCK_DTYPES: Dtypes = Dtypes {
     activations: &[DType::F16],
     weights: |_| {
@@ -28,6 +28,7 @@ const BLOCK_DTYPES: Dtypes = Dtypes {
             DType::Q4_1,
             DType::Q4K,
             DType::Q6K,
+            DType::Fp8,
         ]
     },
     caches: |_| vec![DType::F16],
@@ -43,7 +44,7 @@ fn row_ops_match_the_cpu() {
     conformance::row_ops_match_the_cpu(&gpu(), &DTYPES);
 }
 
-/// Every op that reads a matrix, on GGUF blocks: products of 1 to 257 rows (the GEMV's
+/// Every op that reads a matrix, on the block formats (GGUF's and FP8): products of 1 to 257 rows (the GEMV's
 /// dequantization in registers, and the f16 scratch past it), with bias and into columns of
 /// a wider output, the MLPs, the residual-stream ops and the embedding gather.
 #[test]

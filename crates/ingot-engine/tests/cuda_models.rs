@@ -32,6 +32,14 @@ fn synthetic_models_match_the_cpu() {
     );
 }
 
+/// `--quantization fp8` on the GPU (f16 activations on FP8 blocks) against the CPU's f32
+/// activations on the same blocks.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fp8_models_match_the_cpu() {
+    common::fp8_models_match_the_cpu(gpu, 2e-2);
+}
+
 fn gpus(n: usize) -> Vec<CudaBackend> {
     (0..n)
         .map(|i| CudaBackend::new(i).unwrap_or_else(|e| panic!("this test needs {n} GPUs: {e:#}")))

@@ -129,6 +129,64 @@ fn dtype_flag_converts_f32_checkpoints_at_load() {
     }
 }
 
+/// `--quantization fp8` on the CPU: the projections become FP8 blocks and the embedding
+/// table and output projection stay as stored, so logits move from the f32 model's by e4m3's
+/// rounding (3 mantissa bits: a few percent), not by a misplaced scale's (order one); a
+/// 16-bit checkpoint quantizes from its own values.
+#[test]
+fn fp8_quantization_at_load_stays_near_the_f32_model() {
+    use ingot_backend::DType;
+    for (arch, stored, kept) in [
+        (Arch::Llama, Dtype::F32, DType::F32),
+        (Arch::Qwen2, Dtype::BF16, DType::BF16),
+        (Arch::Qwen3, Dtype::F32, DType::F32),
+    ] {
+        let spec = SyntheticSpec {
+            dtype: stored,
+            ..common::fp8_spec(arch)
+        };
+        let dir = temp_dir(&format!("fp8-{arch:?}"));
+        spec.write(&dir).unwrap();
+        let seqs = common::random_seqs(5, &[1, 16, 17, 40], spec.vocab_size);
+        let mut plain = common::runner(&dir, WeightDType::F32, 24, 4, 512, 64);
+        let mut fp8 = common::runner(&dir, WeightDType::Fp8, 24, 4, 512, 64);
+        let w = &fp8.model.weights;
+        assert_eq!(w.matrix_dtype, DType::Fp8);
+        assert_eq!(w.embed.parts[0].weight.dtype(), kept, "{arch:?}");
+        assert_eq!(w.layers[0].qkv.parts[0].weight.dtype(), DType::Fp8);
+        let (rows, worst) = common::mixed_logit_error(&mut plain, &mut fp8, &seqs);
+        println!("{arch:?} {stored:?} fp8: {rows} logit rows, max relative error {worst:.2e}");
+        assert!(worst <= 0.1, "{arch:?}: relative logit error {worst}");
+        assert!(
+            worst >= 1e-3,
+            "{arch:?}: {worst}: the matrices were not quantized"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+/// `--quantization fp8` needs matrices to quantize from: a block-quantized checkpoint is
+/// refused, and so is a matrix whose rows are not whole 128-value blocks.
+#[test]
+fn fp8_quantization_refuses_what_it_cannot_quantize() {
+    let dir = temp_dir("fp8-refused");
+    SyntheticSpec::tiny(Arch::Llama).write(&dir).unwrap();
+    let b = ingot_backend::cpu::CpuBackend::new(Some(1)).unwrap();
+    let e = ingot_model::load(&b, &dir, WeightDType::Fp8)
+        .err()
+        .expect("64 columns are not whole blocks")
+        .to_string();
+    assert!(e.contains("not whole fp8 blocks"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+    if let Some(gguf) = ingot_model::testing::test_model_path() {
+        let e = ingot_model::load(&b, &gguf, WeightDType::Fp8)
+            .err()
+            .expect("a Q4_1 file")
+            .to_string();
+        assert!(e.contains("quantizes 16- and 32-bit checkpoints"), "{e}");
+    }
+}
+
 /// A model loaded with its norm weights folded into the matrices after them (as wgpu loads
 /// it) against the same model loaded as is, both on the CPU: at f32 the fold moves logits
 /// by f32 rounding; with 16-bit weights by the rounding of `w · g` to the weight dtype

@@ -8,18 +8,22 @@ use crate::tensor_parallel::TpRank;
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
-use ingot_backend::quant::dequantize_row;
+use ingot_backend::quant::{dequantize_row, fp8};
 use ingot_backend::{host_available_memory, Backend, DType, MatmulOut, MlpScratch};
 use rayon::prelude::*;
 use std::str::FromStr;
 
-/// `--dtype`: `Auto` keeps the checkpoint's type (GGUF stays quantized).
+/// `--dtype`: `Auto` keeps the checkpoint's type (GGUF stays quantized). `Fp8` is
+/// `--quantization fp8`: a 16- or 32-bit checkpoint's projections quantized to
+/// [`DType::Fp8`] blocks at load, its embedding table, output projection and routers kept
+/// as `Auto` keeps them (as vLLM's FP8 leaves them unquantized).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightDType {
     Auto,
     F32,
     F16,
     BF16,
+    Fp8,
 }
 
 impl WeightDType {
@@ -30,12 +34,22 @@ impl WeightDType {
             WeightDType::F32 => Some(DType::F32),
             WeightDType::F16 => Some(DType::F16),
             WeightDType::BF16 => Some(DType::BF16),
+            WeightDType::Fp8 => Some(DType::Fp8),
         }
     }
 
     /// The dtype a matrix stored as `stored` is converted to.
     pub fn apply(self, stored: DType) -> DType {
         self.fixed().unwrap_or(stored)
+    }
+
+    /// What the matrices that stay unquantized (embedding table, output projection,
+    /// routers) are converted by.
+    fn unquantized(self) -> WeightDType {
+        match self {
+            WeightDType::Fp8 => WeightDType::Auto,
+            other => other,
+        }
     }
 }
 
@@ -47,7 +61,8 @@ impl FromStr for WeightDType {
             "f32" | "float32" => WeightDType::F32,
             "f16" | "float16" | "half" => WeightDType::F16,
             "bf16" | "bfloat16" => WeightDType::BF16,
-            other => bail!("unknown dtype `{other}` (expected auto, f32, f16 or bf16)"),
+            "fp8" | "fp8_e4m3" => WeightDType::Fp8,
+            other => bail!("unknown dtype `{other}` (expected auto, f32, f16, bf16 or fp8)"),
         })
     }
 }
@@ -407,23 +422,24 @@ const HOST_HEADROOM: usize = 1 << 30;
 /// Elements converted per task: a multiple of every block length (32, 256).
 const CONVERT_CHUNK: usize = 1 << 16;
 
-/// Appends `t`'s values in the float dtype `target` to `out` (quantized data dequantized),
-/// each multiplied by `scale[c]` of its column `c` where `scale` is given (a folded norm),
-/// converted on all cores: one thread took ~1.3 s for Qwen2-0.5B's bf16 weights to f16 on a
-/// 2-core VM, so most of a minute for an 8B model.
+/// Appends `t`'s values in `target` (a float dtype, or FP8 blocks) to `out` (quantized data
+/// dequantized first), each multiplied by `scale[c]` of its column `c` where `scale` is
+/// given (a folded norm), converted on all cores: one thread took ~1.3 s for Qwen2-0.5B's
+/// bf16 weights to f16 on a 2-core VM, so most of a minute for an 8B model.
 fn convert_into(t: &HostTensor<'_>, target: DType, scale: Option<&[f32]>, out: &mut Vec<u8>) {
     if t.dtype == target && scale.is_none() {
         out.extend_from_slice(&t.data);
         return;
     }
-    let width = target.bytes_for(1);
+    let width = target.block_bytes();
     let start = out.len();
-    out.resize(start + t.numel() * width, 0);
+    out.resize(start + target.bytes_for(t.numel()), 0);
     out[start..]
-        .par_chunks_mut(CONVERT_CHUNK * width)
+        .par_chunks_mut(target.bytes_for(CONVERT_CHUNK))
         .enumerate()
         .for_each(|(c, dst)| {
-            let (first, len) = (c * CONVERT_CHUNK, dst.len() / width);
+            let first = c * CONVERT_CHUNK;
+            let len = dst.len() / width * target.block_len();
             let src = &t.data[t.dtype.bytes_for(first)..t.dtype.bytes_for(first + len)];
             let mut vals = vec![0f32; len];
             dequantize_row(t.dtype, src, &mut vals);
@@ -431,6 +447,10 @@ fn convert_into(t: &HostTensor<'_>, target: DType, scale: Option<&[f32]>, out: &
                 for (i, v) in vals.iter_mut().enumerate() {
                     *v *= scale[(first + i) % scale.len()];
                 }
+            }
+            if target == DType::Fp8 {
+                fp8::quantize_row(&vals, dst);
+                return;
             }
             let pieces = dst.chunks_exact_mut(width).zip(vals);
             match target {
@@ -490,7 +510,7 @@ impl<'a, B: Backend> Loader<'a, B> {
     /// whichever tensors the kernels keep in f32 (norms, biases).
     fn rounded_f32(&self, mut v: Vec<f32>) -> Vec<f32> {
         match self.dtype {
-            WeightDType::Auto | WeightDType::F32 => {}
+            WeightDType::Auto | WeightDType::F32 | WeightDType::Fp8 => {}
             WeightDType::F16 => v.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
             WeightDType::BF16 => v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32()),
         }
@@ -537,11 +557,25 @@ impl<'a, B: Backend> Loader<'a, B> {
         norm: Option<&[f32]>,
         what: &str,
     ) -> Result<Linear<B>> {
-        self.stack(mats, in_features, norm, what, B::weight_dtype)
+        self.stack(mats, in_features, norm, what, B::weight_dtype, self.dtype)
+    }
+
+    /// [`Loader::linear`] for a matrix that `--quantization` leaves as it is (the embedding
+    /// table, the output projection, a router).
+    fn unquantized_linear(
+        &mut self,
+        mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
+        in_features: usize,
+        norm: Option<&[f32]>,
+        what: &str,
+    ) -> Result<Linear<B>> {
+        let dtype = self.dtype.unquantized();
+        self.stack(mats, in_features, norm, what, B::weight_dtype, dtype)
     }
 
     /// [`Loader::linear`] with `kept(backend, stored, activation)` the dtype each matrix is
-    /// kept in ([`Backend::expert_weight_dtype`] for a mixture's experts).
+    /// kept in ([`Backend::expert_weight_dtype`] for a mixture's experts), converted by
+    /// `asked`.
     fn stack(
         &mut self,
         mats: Vec<(HostTensor<'_>, Option<HostTensor<'_>>, usize)>,
@@ -549,6 +583,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         norm: Option<&[f32]>,
         what: &str,
         kept: fn(&B, DType, DType) -> DType,
+        asked: WeightDType,
     ) -> Result<Linear<B>> {
         let mut parts: Vec<LinearPart<B>> = vec![];
         // (dtype, stacked rows, row count, stacked biases)
@@ -560,7 +595,13 @@ impl<'a, B: Backend> Loader<'a, B> {
                 "{what}: expected shape [{rows}, {in_features}], found {:?}",
                 w.shape
             );
-            let mut dtype = kept(self.b, self.dtype.apply(w.dtype), self.activation);
+            let mut dtype = kept(self.b, asked.apply(w.dtype), self.activation);
+            ensure!(
+                asked != WeightDType::Fp8 || dtype == DType::Fp8,
+                "--quantization fp8 is not supported for {what} on {}: it has no FP8 kernels \
+                 for them",
+                self.b.name()
+            );
             if norm.is_some() && dtype.block_len() > 1 {
                 tracing::warn!(
                     "{what}: {dtype} kept as {} to fold its norm",
@@ -687,6 +728,12 @@ impl<B: Backend> Weights<B> {
         let q0 = ckpt
             .tensor(Role::Q, 0, full)?
             .with_context(|| format!("{}: missing weight Q of layer 0", ckpt.path().display()))?;
+        ensure!(
+            dtype != WeightDType::Fp8 || !q0.dtype.is_quantized(),
+            "--quantization fp8 quantizes 16- and 32-bit checkpoints; {} holds {} matrices",
+            ckpt.path().display(),
+            q0.dtype
+        );
         let activation = b.activation_dtype(dtype.apply(q0.dtype));
         // Folding norms needs float matrices (the first query projection's dtype stands
         // for them).
@@ -714,7 +761,8 @@ impl<B: Backend> Weights<B> {
             cfg.vocab_size,
             embed_t.shape
         );
-        let embed = l.linear(vec![(embed_t, None, cfg.vocab_size)], d, None, "embedding")?;
+        let embed =
+            l.unquantized_linear(vec![(embed_t, None, cfg.vocab_size)], d, None, "embedding")?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let what = |s: &str| format!("layer {i} {s}");
@@ -762,7 +810,12 @@ impl<B: Backend> Weights<B> {
                 Some(moe) if moe.is_sparse(i) => {
                     let (n, ef) = (moe.num_experts, moe.expert_intermediate_size);
                     let router = l.require(Role::Router, i)?;
-                    let router = l.linear(vec![(router, None, n)], d, ffn_fold, &what("router"))?;
+                    let router = l.unquantized_linear(
+                        vec![(router, None, n)],
+                        d,
+                        ffn_fold,
+                        &what("router"),
+                    )?;
                     let mut gate_up = vec![];
                     let mut down = vec![];
                     for e in 0..n {
@@ -771,8 +824,9 @@ impl<B: Backend> Weights<B> {
                         down.push((l.require(Role::ExpertDown(e), i)?, None, d));
                     }
                     let kept = B::expert_weight_dtype;
-                    let gate_up = l.stack(gate_up, d, ffn_fold, &what("experts' gate/up"), kept)?;
-                    let down = l.stack(down, ef, None, &what("experts' down"), kept)?;
+                    let gate_up =
+                        l.stack(gate_up, d, ffn_fold, &what("experts' gate/up"), kept, dtype)?;
+                    let down = l.stack(down, ef, None, &what("experts' down"), kept, dtype)?;
                     Mlp::Experts(MoeWeights {
                         router,
                         gate_up: expert_stack(gate_up, &what("experts' gate/up"))?,
@@ -812,7 +866,7 @@ impl<B: Backend> Weights<B> {
             None
         } else {
             let t = l.require(Role::LmHead, 0)?;
-            Some(l.linear(vec![(t, None, cfg.vocab_size)], d, None, "lm_head")?)
+            Some(l.unquantized_linear(vec![(t, None, cfg.vocab_size)], d, None, "lm_head")?)
         };
         l.progress.finish_and_clear();
         let kept = l.matrix_dtype(&q0);
@@ -924,6 +978,11 @@ mod tests {
                 convert_into(&t, to, None, &mut got);
                 assert!(got[..3] == [7; 3] && got[3..] == want, "{from} -> {to}");
             }
+            let mut want = vec![0u8; DType::Fp8.bytes_for(n)];
+            fp8::quantize_row(&vals, &mut want);
+            let mut got = vec![7u8; 3];
+            convert_into(&t, DType::Fp8, None, &mut got);
+            assert!(got[..3] == [7; 3] && got[3..] == want, "{from} -> fp8");
         }
     }
 }

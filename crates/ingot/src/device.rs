@@ -86,6 +86,11 @@ pub struct ModelArgs {
     /// convert.
     #[arg(long, default_value = "auto")]
     pub dtype: WeightDType,
+    /// fp8: quantize a 16- or 32-bit checkpoint's projections at load to FP8 (e4m3, a scale
+    /// per 128 values), as vLLM's flag; the embedding table, output projection and routers
+    /// stay as they are. On CUDA and the CPU; activations are the device's (f16 on CUDA).
+    #[arg(long, value_enum)]
+    pub quantization: Option<Quantization>,
     /// cpu, cuda[:N], wgpu[:N] (Metal on macOS, Vulkan elsewhere), or auto (a CUDA GPU
     /// when one is found, else the CPU).
     #[arg(long, default_value = "auto")]
@@ -103,6 +108,12 @@ pub struct ModelArgs {
     /// it; on the CPU the ranks share the threads, which tests the split without GPUs.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
+}
+
+/// `--quantization`: the methods a checkpoint is quantized by at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Quantization {
+    Fp8,
 }
 
 /// Work that runs on whichever backend `--device` picked: on `devices`, one device or a
@@ -262,12 +273,25 @@ impl ModelArgs {
         Ok(Some(pooling))
     }
 
+    /// What the matrices are converted to: `--dtype`, or `--quantization`'s format.
+    pub fn weight_dtype(&self) -> Result<WeightDType> {
+        match (self.quantization, self.dtype) {
+            (Some(Quantization::Fp8), WeightDType::Auto) => Ok(WeightDType::Fp8),
+            (Some(Quantization::Fp8), other) => bail!(
+                "--dtype {other:?} with --quantization fp8: the FP8 matrices take the device's \
+                 activations (f16 on CUDA, f32 on the CPU); leave --dtype auto"
+            ),
+            (None, WeightDType::Fp8) => bail!("--dtype fp8: FP8 matrices are --quantization fp8"),
+            (None, dtype) => Ok(dtype),
+        }
+    }
+
     /// Loads the model onto `devices` (a tensor-parallel group's, each rank's share).
     pub fn load<B: Backend + 'static>(&self, devices: Vec<B>) -> Result<(Ranks<B>, Tokenizer)> {
         let ckpt = self.checkpoint()?;
         // The weights first: a checkpoint's config errors (an unsupported architecture)
         // say more than a missing tokenizer would.
-        let ranks = ingot_model::load_tensor_parallel(devices, &ckpt, self.dtype)?;
+        let ranks = ingot_model::load_tensor_parallel(devices, &ckpt, self.weight_dtype()?)?;
         let Some(path) = &self.tokenizer else {
             return Ok((ranks, Tokenizer::from_checkpoint(&ckpt)?));
         };

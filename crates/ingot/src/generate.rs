@@ -84,7 +84,8 @@ pub struct EngineArgs {
     #[arg(long)]
     kv_cache_memory: Option<usize>,
     /// Element type of the KV cache: auto (on the CPU f16, or f32 for f32 models; on a GPU the
-    /// model's activation dtype), f32, f16 or bf16.
+    /// model's activation dtype), f32, f16 or bf16 (fp8 is refused: no backend's attention
+    /// reads it yet).
     #[arg(long, default_value = "auto")]
     kv_cache_dtype: WeightDType,
     /// Share of the GPU's memory ingot may use.

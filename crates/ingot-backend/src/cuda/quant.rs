@@ -1,6 +1,6 @@
-//! GGUF blocks kept on the device (`kernels/quant.cu`): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
-//! matrices stay quantized, so a model takes about its file's size in GPU memory (a Q4_K_M
-//! file mixes Q4_K and Q6_K). At upload each buffer's blocks are split into two runs, every
+//! Block formats kept on the device (`kernels/quant.cu`): GGUF's Q8_0, Q4_0, Q4_1, Q4_K and
+//! Q6_K matrices stay quantized, so a model takes about its file's size in GPU memory (a
+//! Q4_K_M file mixes Q4_K and Q6_K), and so do FP8 ones (`--quantization fp8`). At upload each buffer's blocks are split into two runs, every
 //! block's quants and then every block's scales, so that the kernels read the quants in
 //! whole 16-byte pieces (the file's 18-, 20-, 34- and 210-byte blocks cannot be). Decode
 //! products read the blocks once and dequantize them in registers: one row on the CUDA
@@ -17,12 +17,13 @@ use anyhow::{ensure, Context, Result};
 use cudarc::driver::DevicePtr;
 
 /// The block formats kept as they are; other formats (Q5_K) become f16 at load.
-pub const KEPT: [DType; 5] = [
+pub const KEPT: [DType; 6] = [
     DType::Q8_0,
     DType::Q4_0,
     DType::Q4_1,
     DType::Q4K,
     DType::Q6K,
+    DType::Fp8,
 ];
 /// Most rows a product runs through `quant_gemv`: from two rows on `quant_mma` is faster
 /// (H100, random Llama-3.1-8B-shaped GGUF, decode tok/s with `quant_gemv` against
@@ -43,10 +44,12 @@ pub const MMA_MAX_ROWS: usize = 64;
 /// scratch. At 33 to 64 rows the K-quants' separate dequantizing pass costs more than the
 /// tensor-core product's dequantization in registers, and the 32-value formats' less (H100,
 /// random Llama-3.1-8B-shaped GGUF, B=64 decode against the scratch: Q4_K 3,027 against
-/// 2,880 tok/s, Q4_0 3,124 against 3,798).
+/// 2,880 tok/s, Q4_0 3,124 against 3,798). FP8's dequantization in registers is a byte
+/// permute and two masks a pair, and it gains most (H200, Llama-3.1-8B shapes,
+/// `--quantization fp8`, B=64: 6,440 and 6,438 against 4,349 tok/s).
 fn mma_max_rows(dtype: DType) -> usize {
     match dtype {
-        DType::Q4K | DType::Q6K => MMA_MAX_ROWS,
+        DType::Q4K | DType::Q6K | DType::Fp8 => MMA_MAX_ROWS,
         _ => 32,
     }
 }
@@ -101,11 +104,12 @@ fn format(dtype: DType) -> &'static str {
         DType::Q4_1 => "q4_1",
         DType::Q4K => "q4_k",
         DType::Q6K => "q6_k",
+        DType::Fp8 => "fp8",
         other => panic!("no CUDA kernels for {other} blocks"),
     }
 }
 
-/// Where a GGUF block of `dtype` keeps its scales (and minimums) and its quants: the two
+/// Where a block of `dtype` keeps its scales (and minimums) and its quants: the two
 /// runs the upload splits blocks into.
 fn block_layout(dtype: DType) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
     match dtype {
@@ -114,6 +118,7 @@ fn block_layout(dtype: DType) -> (std::ops::Range<usize>, std::ops::Range<usize>
         DType::Q4_1 => (0..4, 4..20),
         DType::Q4K => (0..16, 16..144),
         DType::Q6K => (192..210, 0..192),
+        DType::Fp8 => (0..4, 4..132),
         other => panic!("no CUDA kernels for {other} blocks"),
     }
 }
@@ -163,7 +168,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Uploads GGUF blocks (the file's layout) into the start of `dst`, repacked: their
+    /// Uploads blocks (as `crate::quant` lays them out) into the start of `dst`, repacked: their
     /// quants at the buffer's start, their scales after the quants of all the blocks the
     /// buffer has room for.
     pub(super) fn upload_blocks(&self, dst: &mut CudaBuffer, bytes: &[u8]) -> Result<()> {
@@ -189,7 +194,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `out (+)= x · wᵀ (+ bias)` for a matrix `w` of GGUF blocks and f16 activations `x`.
+    /// `out (+)= x · wᵀ (+ bias)` for a matrix `w` of blocks and f16 activations `x`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn quantized_product(
         &self,
@@ -321,7 +326,7 @@ impl CudaBackend {
         (chunks.div_ceil(per_split), per_split)
     }
 
-    /// [`crate::Backend::embedding`] from a table of GGUF blocks, into f16 rows.
+    /// [`crate::Backend::embedding`] from a table of blocks, into f16 rows.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn quantized_embedding(
         &self,
@@ -352,7 +357,7 @@ mod tests {
 
     /// The upload's split of each format's blocks and the kernels' reading of it
     /// (`Block<F>` in quant.cu: values, quant and scale bytes, lanes a block) agree, and the
-    /// two runs cover the whole GGUF block.
+    /// two runs cover the whole block.
     #[test]
     fn block_layouts_match_the_kernels() {
         let source = include_str!("kernels/quant.cu");

@@ -1,5 +1,5 @@
-//! GGUF block formats: dequantization (the reference every kernel is tested against) and
-//! the integer dot products the CPU matmul uses for decode.
+//! Block formats — GGUF's, and ingot's FP8 ([`fp8`]): dequantization (the reference every
+//! kernel is tested against) and the integer dot products the CPU matmul uses for decode.
 //!
 //! Layouts follow the GGUF specification; each row of a weight matrix is a run of blocks.
 
@@ -9,6 +9,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod dot;
+pub mod fp8;
 mod isa;
 pub mod testing;
 
@@ -65,6 +66,7 @@ pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
 /// Dequantizes one block of a quantized type.
 pub fn dequantize_block(dtype: DType, b: &[u8], y: &mut [f32]) {
     match dtype {
+        DType::Fp8 => fp8::dequantize_block(b, y),
         DType::Q8_0 => {
             let d = f16_at(b, 0);
             for (y, &q) in y.iter_mut().zip(&b[2..34]) {

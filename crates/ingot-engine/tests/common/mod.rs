@@ -339,6 +339,45 @@ pub fn synthetic_models_match_the_cpu<B: Backend>(
     }
 }
 
+/// A tiny synthetic model whose matrices are whole FP8 blocks (128 values): hidden 128,
+/// MLP 256, four heads of 32.
+pub fn fp8_spec(arch: ingot_model::Arch) -> ingot_model::synthetic::SyntheticSpec {
+    ingot_model::synthetic::SyntheticSpec {
+        hidden_size: 128,
+        intermediate_size: 256,
+        ..ingot_model::synthetic::SyntheticSpec::tiny(arch)
+    }
+}
+
+/// `--quantization fp8` on `device` against the same quantized model on the CPU (f32
+/// activations): mixed prefill/decode steps, logits within `tol`.
+pub fn fp8_models_match_the_cpu<B: Backend>(device: impl Fn() -> B, tol: f32) {
+    use ingot_model::Arch;
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        let spec = fp8_spec(arch);
+        let dir =
+            std::env::temp_dir().join(format!("ingot-device-fp8-{arch:?}-{}", std::process::id()));
+        spec.write(&dir).unwrap();
+        let seqs = random_seqs(3, &[1, 15, 16, 17, 40, 33, 150], spec.vocab_size);
+        let device = device();
+        let mut cpu = runner_on(
+            cpu_reference_of(&device),
+            &dir,
+            WeightDType::Fp8,
+            24,
+            4,
+            512,
+            64,
+        );
+        let mut gpu = runner_on(device, &dir, WeightDType::Fp8, 24, 4, 512, 64);
+        assert_eq!(gpu.model.weights.matrix_dtype, ingot_backend::DType::Fp8);
+        let (rows, worst) = mixed_logit_error(&mut cpu, &mut gpu, &seqs);
+        println!("{arch:?} fp8: {rows} logit rows, max relative error {worst:.2e}");
+        assert!(worst <= tol, "{arch:?} fp8: relative logit error {worst}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
 /// Engines of the real test model at f32 on the CPU reference of `backend` and on
 /// `backend` itself, with the same configuration.
 fn f32_engines<B: Backend + 'static>(

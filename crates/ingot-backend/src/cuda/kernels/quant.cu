@@ -1,11 +1,12 @@
-// GGUF block formats kept on the device, repacked at upload (below): Q8_0, Q4_0 and Q4_1
+// Block formats kept on the device, repacked at upload (below): GGUF's Q8_0, Q4_0 and Q4_1
 // (32 values a block behind an f16 scale, and Q4_1's f16 minimum), Q4_K and Q6_K (256
-// values a block with 6- or 8-bit scales of 32- or 16-value sub-blocks). Values are
+// values a block with 6- or 8-bit scales of 32- or 16-value sub-blocks), and ingot's FP8
+// (`quant/fp8.rs`: 128 e4m3 values behind an f32 scale). Values are
 // dequantized to f32 in registers as `quant/mod.rs` dequantizes them, and every sum is f32;
 // activations are f16 (the block scales' type). The exception is quant_gemv_q8 (one row of
 // Q4_K or Q6_K): integer sums of int8 products, scaled and summed in f32.
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, FP8 = 5 };
 
 // A matrix's blocks are kept in two runs (the backend repacks them at upload): every block's
 // quants (QS bytes each), then every block's scales (SC bytes each), so that a warp reads
@@ -18,12 +19,14 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
 //     64c + 32 + i (high); scales d, dmin and the 12 bytes of 6-bit sub-block scales/mins.
 //   Q6_K: ql (128 bytes) and qh (64), as GGUF orders them; scales the 16 signed sub-block
 //     scales, then d.
+//   FP8: quants are the 128 e4m3 bytes; scales the f32 scale.
 template <int F> struct Block;
 template <> struct Block<Q8_0> { static constexpr int QK = 32, QS = 32, SC = 2, PARTS = 2, VALS = 16; };
 template <> struct Block<Q4_0> { static constexpr int QK = 32, QS = 16, SC = 2, PARTS = 2, VALS = 16; };
 template <> struct Block<Q4_1> { static constexpr int QK = 32, QS = 16, SC = 4, PARTS = 2, VALS = 16; };
 template <> struct Block<Q4_K> { static constexpr int QK = 256, QS = 128, SC = 16, PARTS = 8, VALS = 32; };
 template <> struct Block<Q6_K> { static constexpr int QK = 256, QS = 192, SC = 18, PARTS = 8, VALS = 32; };
+template <> struct Block<FP8> { static constexpr int QK = 128, QS = 128, SC = 4, PARTS = 8, VALS = 16; };
 
 __device__ __forceinline__ float half_bits(u16 h) {
     f16 v;
@@ -31,15 +34,29 @@ __device__ __forceinline__ float half_bits(u16 h) {
     return to_f32(v);
 }
 
+// e4m3 bytes 0 and 1 (lo) or 2 and 3 (hi) of `word` as an f16 pair, each 2^-8 of its value:
+// the sign stays the top bit and exponent and mantissa move into f16's, whose exponent bias
+// is 8 more (e4m3's subnormals land on f16's, which the same shift keeps exact). The 2^8 is
+// taken with the scale.
+__device__ __forceinline__ u32 e4m3x2_lo(u32 word) {
+    const u32 b = __byte_perm(word, 0, 0x1404);
+    return (b & 0x80008000u) | ((b & 0x7f007f00u) >> 1);
+}
+__device__ __forceinline__ u32 e4m3x2_hi(u32 word) {
+    const u32 b = __byte_perm(word, 0, 0x3424);
+    return (b & 0x80008000u) | ((b & 0x7f007f00u) >> 1);
+}
+#define E4M3_UNSHIFT 256.0f
+
 // Where in its block the two runs of part p start.
 template <int F> __device__ __forceinline__ int run_a(int p) {
-    if (F == Q8_0) return 16 * p;
+    if (F == Q8_0 || F == FP8) return 16 * p;
     if (F == Q4_K) return 64 * (p >> 1) + 16 * (p & 1);
     if (F == Q6_K) return 128 * (p >> 2) + 32 * ((p >> 1) & 1) + 16 * (p & 1);
     return 8 * p;
 }
 template <int F> __device__ __forceinline__ int run_b(int p) {
-    if (F == Q8_0) return 16 * p + 8;
+    if (F == Q8_0 || F == FP8) return 16 * p + 8;
     if (F == Q4_K) return run_a<F>(p) + 32;
     if (F == Q6_K) return run_a<F>(p) + 64;
     return 16 + 8 * p;
@@ -71,7 +88,8 @@ __device__ __forceinline__ void scale_min_k4_pair(bool high, int j, const uint4&
 // kernel can issue the loads of several rows before it dequantizes any (quant_gemv).
 //   q: the part's quants (Q4_0, Q4_1: q.x and q.y); qh: Q6_K's high bits.
 //   sc: Q8_0, Q4_0 the f16 d in sc.x; Q4_1 d and m in sc.x; Q4_K the block's 16 scale bytes;
-//   Q6_K d in sc.x and the two sub-block scales (signed bytes) in sc.y and sc.z.
+//   Q6_K d in sc.x and the two sub-block scales (signed bytes) in sc.y and sc.z; FP8 the f32
+//   scale's bits in sc.x.
 struct RawPart {
     uint4 q, qh, sc;
 };
@@ -85,6 +103,9 @@ __device__ __forceinline__ RawPart load_part(const unsigned char* w, long long n
     if (F == Q8_0) {
         r.q = load_streamed(quants + 16 * p);
         r.sc.x = *reinterpret_cast<const u16*>(s);
+    } else if (F == FP8) {
+        r.q = load_streamed(quants + 16 * p);
+        r.sc.x = *reinterpret_cast<const u32*>(s);
     } else if (F == Q4_0 || F == Q4_1) {
         const uint2 q = *reinterpret_cast<const uint2*>(quants + 8 * p);
         r.q.x = q.x;
@@ -126,6 +147,17 @@ template <int F> __device__ __forceinline__ void dequantize_raw(const RawPart& r
 #pragma unroll
         for (int i = 0; i < 16; i++)
             y[i] = d * (float)(signed char)((words[i >> 2] >> (8 * (i & 3))) & 0xff);
+    } else if (F == FP8) {
+        const float d = __uint_as_float(r.sc.x) * E4M3_UNSHIFT;
+        const u32 words[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 lo = e4m3x2_lo(words[i]), hi = e4m3x2_hi(words[i]);
+            y[4 * i] = d * half_bits(lo & 0xffff);
+            y[4 * i + 1] = d * half_bits(lo >> 16);
+            y[4 * i + 2] = d * half_bits(hi & 0xffff);
+            y[4 * i + 3] = d * half_bits(hi >> 16);
+        }
     } else if (F == Q4_0 || F == Q4_1) {
         const float d = half_bits(r.sc.x & 0xffff);
         const float m = F == Q4_1 ? half_bits(r.sc.x >> 16) : 0.0f;
@@ -423,11 +455,13 @@ template <> struct Mma<Q4_0> { static constexpr int K_STEP = 128, QUADS = 8; sta
 template <> struct Mma<Q4_1> { static constexpr int K_STEP = 128, QUADS = 8; static constexpr bool PREFETCH = true; };
 template <> struct Mma<Q4_K> { static constexpr int K_STEP = 128, QUADS = 8; static constexpr bool PREFETCH = true; };
 template <> struct Mma<Q6_K> { static constexpr int K_STEP = 256, QUADS = 16; static constexpr bool PREFETCH = false; };
+template <> struct Mma<FP8> { static constexpr int K_STEP = 64, QUADS = 4; static constexpr bool PREFETCH = true; };
 
 // Lane t's share of one weight row in one k-step, as loaded: quant words and the raw scale
 // bits they need (converted only when used, so the loads of the next k-step stay in flight
 // while this one is multiplied).
 //   Q8_0: half t % 2 of block 2s + t / 2; q[0] its 16 quants, sc.x its d.
+//   FP8: bytes 64 (s % 2) + 16t of block s / 2; q[0] those 16 quants, sc.x the f32 scale.
 //   Q4_0, Q4_1: block 4s + t; q[0] its 16 bytes, sc.x its d (and m).
 //   Q4_K: piece p = 4 (s % 2) + t of block s / 2 (bytes 16p..16p + 15: group p / 2, half
 //     p % 2); q[0] the piece, sc the block's 16 scale bytes, d the group's first sub-block.
@@ -452,6 +486,10 @@ __device__ __forceinline__ Piece load_piece(const unsigned char* w, long long nb
         const long long g = row_block + min(2 * s + t / 2, blocks - 1);
         pc.q[0] = load_streamed(w + g * 32 + 16 * (t % 2));
         pc.sc.x = *reinterpret_cast<const u16*>(w + nb * 32 + g * 2);
+    } else if (F == FP8) {
+        const long long g = row_block + min(s / 2, blocks - 1);
+        pc.q[0] = load_streamed(w + g * 128 + 64 * (s % 2) + 16 * t);
+        pc.sc.x = *reinterpret_cast<const u32*>(w + nb * 128 + g * 4);
     } else if (F == Q4_0 || F == Q4_1) {
         const long long g = row_block + min(4 * s + t, blocks - 1);
         pc.q[0] = load_streamed(w + g * 16);
@@ -505,7 +543,8 @@ __device__ __forceinline__ u32 splat(u32 h) { return (h & 0xffff) * 0x10001u; }
 // A piece's scales as f16 pairs (both halves alike), taken once a k-step:
 //   Q8_0, Q4_0: a = d. Q4_1: a = d, b = m. Q4_K: a, b = d·sc and -dmin·m of the piece's
 //   low-nibble sub-block, c, e those of its high-nibble one. Q6_K: a, b, c, e = d·sc of
-//   sub-block scale i = j + 2 nib (as Piece orders them).
+//   sub-block scale i = j + 2 nib (as Piece orders them). FP8: a = 2^8 · scale, rounded to
+//   f16.
 // Q8_0's, Q4_0's and Q4_1's are the block's own f16 values, so their values come out as the
 // f32 dequantization rounded to f16; Q4_K's and Q6_K's products of two scales are rounded to
 // f16 first, a second rounding of at most 2^-11 of the value.
@@ -518,6 +557,9 @@ template <int F> __device__ __forceinline__ Scales piece_scales(const Piece& pc,
     Scales r;
     if (F == Q8_0 || F == Q4_0) {
         r.a = splat(pc.sc.x);
+    } else if (F == FP8) {
+        const float d = __uint_as_float(pc.sc.x) * E4M3_UNSHIFT;
+        r.a = pack2<f16>(d, d);
     } else if (F == Q4_1) {
         r.a = splat(pc.sc.x);
         r.b = splat(pc.sc.x >> 16);
@@ -557,6 +599,10 @@ __device__ __forceinline__ void quad_values(const Piece& pc, const Scales& sc, i
         const u32 offset = 0x64806480u;  // 1024 + 128
         lo = hmul2(hsub2(__byte_perm(word, 0x64646464u, 0x4140), offset), sc.a);
         hi = hmul2(hsub2(__byte_perm(word, 0x64646464u, 0x4342), offset), sc.a);
+    } else if (F == FP8) {
+        const u32 word = word_of(pc.q[0], qi);
+        lo = hmul2(e4m3x2_lo(word), sc.a);
+        hi = hmul2(e4m3x2_hi(word), sc.a);
     } else if (F == Q4_0 || F == Q4_1 || F == Q4_K) {
         // Bytes 0, 2, 1, 3, so that a half holds bytes 0 and 1 (then 2 and 3) at 8 bits apart.
         const int nib = qi >> 2;
@@ -588,7 +634,7 @@ __device__ __forceinline__ void quad_values(const Piece& pc, const Scales& sc, i
 
 // Where in its row (k) the first value of lane t's quad qi of k-step s stands.
 template <int F> __device__ __forceinline__ int quad_k(int s, int t, int qi) {
-    if (F == Q8_0) return 64 * s + 16 * t + 4 * qi;
+    if (F == Q8_0 || F == FP8) return 64 * s + 16 * t + 4 * qi;
     if (F == Q4_0 || F == Q4_1) return 32 * (4 * s + t) + 16 * (qi >> 2) + 4 * (qi & 3);
     if (F == Q4_K) {
         const int p = 4 * (s % 2) + t;
@@ -834,6 +880,7 @@ QUANT(Q4_0, q4_0)
 QUANT(Q4_1, q4_1)
 QUANT(Q4_K, q4_k)
 QUANT(Q6_K, q6_k)
+QUANT(FP8, fp8)
 extern "C" __global__ void quant_mma_reduce_f16(const float* partial, int splits,
                                                 const float* bias, int m, int n, f16* out,
                                                 long long ld, int accumulate) {
