@@ -109,6 +109,8 @@ impl HostBuffer {
         self.truncate(0);
     }
 
+    // Without the cuda feature ordinary memory is the only kind.
+    #[cfg_attr(not(feature = "cuda"), allow(irrefutable_let_patterns))]
     pub fn truncate(&mut self, len: usize) {
         if let Mem::Vec(v) = &mut self.mem {
             v.truncate(len);
@@ -138,6 +140,7 @@ impl HostBuffer {
     /// held (zero where never written), for a caller that overwrites every word it then
     /// reads. The mask job's 256 rows of masks would otherwise be a 1.5 MB memset on one
     /// thread before its workers begin.
+    #[cfg_attr(not(feature = "cuda"), allow(irrefutable_let_patterns))]
     pub fn resize_for_overwrite(&mut self, len: usize) {
         if len > self.written {
             return self.resize(len);

@@ -165,6 +165,47 @@ fn fp8_quantization_at_load_stays_near_the_f32_model() {
     }
 }
 
+/// Checkpoints published in FP8, in each convention of scales (128 × 128 tiles, one a
+/// channel, one a tensor; experts too), load as the model they store: their logits equal
+/// those of the same values written unquantized, to f32 summation order.
+#[test]
+fn fp8_checkpoints_load_as_the_model_they_store() {
+    use ingot_model::synthetic::{Fp8Scales, SyntheticFp8};
+    for (arch, scales) in [
+        (Arch::Llama, Fp8Scales::Tile128),
+        (Arch::Qwen3, Fp8Scales::Channel),
+        (Arch::Qwen2, Fp8Scales::Tensor),
+        (Arch::Qwen3Moe, Fp8Scales::Tile128),
+    ] {
+        let spec = |dequantized| SyntheticSpec {
+            experts: Some((4, 2, 128)),
+            fp8: Some(SyntheticFp8 {
+                scales,
+                dequantized,
+            }),
+            ..common::fp8_spec(arch)
+        };
+        let (fp8_dir, plain_dir) = (
+            temp_dir(&format!("fp8-ckpt-{arch:?}")),
+            temp_dir(&format!("fp8-twin-{arch:?}")),
+        );
+        spec(false).write(&fp8_dir).unwrap();
+        spec(true).write(&plain_dir).unwrap();
+        let seqs = common::random_seqs(5, &[1, 16, 17, 40], spec(false).vocab_size);
+        let mut plain = common::runner(&plain_dir, WeightDType::Auto, 24, 4, 512, 64);
+        let mut fp8 = common::runner(&fp8_dir, WeightDType::Auto, 24, 4, 512, 64);
+        assert_eq!(fp8.model.weights.matrix_dtype, ingot_backend::DType::Fp8);
+        let (rows, worst) = common::mixed_logit_error(&mut plain, &mut fp8, &seqs);
+        println!("{arch:?} {scales:?}: {rows} logit rows, max relative error {worst:.2e}");
+        assert!(
+            worst <= 1e-4,
+            "{arch:?} {scales:?}: relative logit error {worst}"
+        );
+        std::fs::remove_dir_all(&fp8_dir).ok();
+        std::fs::remove_dir_all(&plain_dir).ok();
+    }
+}
+
 /// `--quantization fp8` needs matrices to quantize from: a block-quantized checkpoint is
 /// refused, and so is a matrix whose rows are not whole 128-value blocks.
 #[test]

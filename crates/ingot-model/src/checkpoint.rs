@@ -2,6 +2,7 @@
 //! one interface: the config and each weight by its role.
 
 use crate::config::{Arch, ModelConfig, MoeConfig, RopeScaling};
+use crate::fp8_checkpoint::{self, Fp8Format};
 use crate::gguf::{GgufFile, Value};
 use crate::tensor_parallel::Cut;
 use anyhow::{bail, ensure, Context, Result};
@@ -147,10 +148,18 @@ pub struct Shard {
     header_len: usize,
 }
 
+/// How a safetensors tensor's values are stored.
+#[derive(Clone, Copy)]
+enum Stored {
+    Plain(DType),
+    /// e4m3 bytes, whose scales are another tensor ([`fp8_checkpoint`]).
+    E4m3,
+}
+
 /// Where one tensor lies in the shards.
 pub struct SafetensorsEntry {
     shard: usize,
-    dtype: DType,
+    stored: Stored,
     shape: Vec<usize>,
     range: (usize, usize),
 }
@@ -160,6 +169,8 @@ pub enum Checkpoint {
         dir: PathBuf,
         shards: Vec<Shard>,
         entries: HashMap<String, SafetensorsEntry>,
+        /// Where `config.json` has an FP8 `quantization_config`.
+        fp8: Option<Fp8Format>,
     },
     Gguf {
         path: PathBuf,
@@ -217,6 +228,15 @@ impl Checkpoint {
                 dir.display()
             );
         };
+        let config = dir.join("config.json");
+        let fp8 = match std::fs::read_to_string(&config) {
+            Ok(text) => {
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .with_context(|| format!("{} is not valid JSON", config.display()))?;
+                fp8_checkpoint::format_of(&v).with_context(|| format!("{}", config.display()))?
+            }
+            Err(_) => None,
+        };
         let mut shards = vec![];
         let mut entries = HashMap::new();
         for (i, name) in files.iter().enumerate() {
@@ -228,10 +248,11 @@ impl Checkpoint {
             let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
                 .map_err(|e| anyhow::anyhow!("{}: invalid safetensors header: {e}", p.display()))?;
             for (tname, info) in meta.tensors() {
-                let dtype = match info.dtype {
-                    safetensors::Dtype::F32 => DType::F32,
-                    safetensors::Dtype::F16 => DType::F16,
-                    safetensors::Dtype::BF16 => DType::BF16,
+                let stored = match info.dtype {
+                    safetensors::Dtype::F32 => Stored::Plain(DType::F32),
+                    safetensors::Dtype::F16 => Stored::Plain(DType::F16),
+                    safetensors::Dtype::BF16 => Stored::Plain(DType::BF16),
+                    safetensors::Dtype::F8_E4M3 => Stored::E4m3,
                     other => {
                         // Only weights ingot reads need a supported type; others are skipped.
                         tracing::debug!("{tname}: dtype {other:?} skipped");
@@ -242,7 +263,7 @@ impl Checkpoint {
                     tname,
                     SafetensorsEntry {
                         shard: i,
-                        dtype,
+                        stored,
                         shape: info.shape.clone(),
                         range: info.data_offsets,
                     },
@@ -257,6 +278,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             shards,
             entries,
+            fp8,
         })
     }
 
@@ -314,19 +336,63 @@ impl Checkpoint {
     ) -> Result<Option<HostTensor<'_>>> {
         match self {
             Checkpoint::Safetensors {
-                shards, entries, ..
+                shards,
+                entries,
+                fp8,
+                ..
             } => {
                 let name = role.hf_name(layer, cfg.arch);
                 let Some(e) = entries.get(&name) else {
                     return Ok(None);
                 };
-                let s = &shards[e.shard];
-                let data = s
-                    .mmap
-                    .get(s.header_len + e.range.0..s.header_len + e.range.1)
-                    .with_context(|| format!("{name}: data out of range"))?;
+                let bytes = |e: &SafetensorsEntry, name: &str| {
+                    let s = &shards[e.shard];
+                    s.mmap
+                        .get(s.header_len + e.range.0..s.header_len + e.range.1)
+                        .with_context(|| format!("{name}: data out of range"))
+                };
+                let data = bytes(e, &name)?;
+                let dtype = match e.stored {
+                    Stored::Plain(dtype) => dtype,
+                    Stored::E4m3 => {
+                        let (scale_name, scale) = ["_scale_inv", "_scale"]
+                            .iter()
+                            .map(|suffix| format!("{name}{suffix}"))
+                            .find_map(|n| entries.get(&n).map(|e| (n, e)))
+                            .with_context(|| {
+                                format!("{name}: an FP8 weight without a weight_scale(_inv)")
+                            })?;
+                        let Stored::Plain(scale_dtype) = scale.stored else {
+                            bail!("{scale_name}: scales stored as FP8");
+                        };
+                        let mut values = vec![0f32; scale.shape.iter().product()];
+                        let raw = bytes(scale, &scale_name)?;
+                        ensure!(
+                            raw.len() == scale_dtype.bytes_for(values.len()),
+                            "{scale_name}: {} bytes for shape {:?}",
+                            raw.len(),
+                            scale.shape
+                        );
+                        ingot_backend::quant::dequantize_row(scale_dtype, raw, &mut values);
+                        let format = fp8.unwrap_or_default();
+                        let blocks = fp8_checkpoint::blocks(
+                            &name,
+                            data,
+                            &e.shape,
+                            &values,
+                            &scale.shape,
+                            format,
+                        )?;
+                        return Ok(Some(HostTensor {
+                            dtype: DType::Fp8,
+                            shape: e.shape.clone(),
+                            data: Cow::Owned(blocks),
+                            mapped: data,
+                        }));
+                    }
+                };
                 let t = HostTensor {
-                    dtype: e.dtype,
+                    dtype,
                     shape: e.shape.clone(),
                     data: Cow::Borrowed(data),
                     mapped: data,

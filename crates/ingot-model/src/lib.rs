@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 mod dummy;
 pub mod forward;
+pub mod fp8_checkpoint;
 pub mod gguf;
 pub mod moe;
 pub mod pooling;

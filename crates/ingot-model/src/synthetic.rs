@@ -30,6 +30,80 @@ pub struct SyntheticSpec {
     /// Number of safetensors files (more than one writes `model.safetensors.index.json`).
     pub shards: usize,
     pub seed: u64,
+    /// Projections stored as a published FP8 checkpoint stores them.
+    pub fp8: Option<SyntheticFp8>,
+}
+
+/// How a synthetic checkpoint keeps its projections in FP8 (the embedding table, routers
+/// and output projection stay in `dtype`, as published FP8 checkpoints keep them).
+#[derive(Clone, Copy, Debug)]
+pub struct SyntheticFp8 {
+    pub scales: Fp8Scales,
+    /// The e4m3 values times their scales written in `dtype`, without a
+    /// `quantization_config`: the same model as an unquantized checkpoint.
+    pub dequantized: bool,
+}
+
+/// The scales of [`SyntheticFp8`], each as a convention of published checkpoints has them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Scales {
+    /// `weight_scale_inv` a 128 × 128 tile (`quant_method: fp8`, `weight_block_size`).
+    Tile128,
+    /// `weight_scale` an output channel (compressed-tensors `float-quantized`).
+    Channel,
+    /// One `weight_scale` a matrix (`quant_method: fp8`, vLLM's).
+    Tensor,
+}
+
+impl Fp8Scales {
+    /// Rows and columns one scale covers in a `[rows, cols]` matrix.
+    fn tile(self, rows: usize, cols: usize) -> (usize, usize) {
+        match self {
+            Fp8Scales::Tile128 => (128, 128),
+            Fp8Scales::Channel => (1, cols),
+            Fp8Scales::Tensor => (rows, cols),
+        }
+    }
+
+    fn quantization_config(self) -> serde_json::Value {
+        match self {
+            Fp8Scales::Tile128 => json!({"quant_method": "fp8", "fmt": "e4m3",
+                "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
+            Fp8Scales::Channel => json!({"quant_method": "compressed-tensors",
+                "format": "float-quantized", "ignore": ["lm_head"], "config_groups":
+                {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                "strategy": "channel", "symmetric": true}}}}),
+            Fp8Scales::Tensor => json!({"quant_method": "fp8", "activation_scheme": "dynamic"}),
+        }
+    }
+}
+
+/// `values` of a `[rows, cols]` matrix in e4m3 with a scale per tile of `scales` (the tile's
+/// largest |value| over 448), and the scales in row-major tile order.
+fn quantize_fp8(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    scales: Fp8Scales,
+) -> (Vec<u8>, Vec<f32>) {
+    use ingot_backend::quant::fp8::{f32_to_e4m3, E4M3_MAX};
+    let (tr, tc) = scales.tile(rows, cols);
+    let (gr, gc) = (rows.div_ceil(tr), cols.div_ceil(tc));
+    let mut amax = vec![0f32; gr * gc];
+    for (i, v) in values.iter().enumerate() {
+        let g = i / cols / tr * gc + i % cols / tc;
+        amax[g] = amax[g].max(v.abs());
+    }
+    let scale: Vec<f32> = amax.iter().map(|a| a / E4M3_MAX).collect();
+    let q = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let s = scale[i / cols / tr * gc + i % cols / tc];
+            f32_to_e4m3(if s > 0.0 { v / s } else { 0.0 })
+        })
+        .collect();
+    (q, scale)
 }
 
 impl SyntheticSpec {
@@ -55,6 +129,7 @@ impl SyntheticSpec {
             dtype: Dtype::F32,
             shards: 1,
             seed: 42,
+            fp8: None,
         }
     }
 
@@ -169,10 +244,44 @@ impl SyntheticSpec {
                 }
             })
         };
-        let bytes = tensors
-            .into_iter()
-            .map(|(n, s, v)| Ok((n, s, encode(&v)?)))
-            .collect::<Result<Vec<_>>>()?;
+        // The projections (and experts), which published FP8 checkpoints quantize.
+        let projection =
+            |n: &str| n.ends_with(".weight") && (n.contains("_proj.") || n.contains(".experts."));
+        let mut bytes = vec![];
+        for (n, s, v) in tensors {
+            match self.fp8 {
+                Some(fp8) if projection(&n) => {
+                    let (rows, cols) = (s[0], s[1]);
+                    let (q, scale) = quantize_fp8(&v, rows, cols, fp8.scales);
+                    if fp8.dequantized {
+                        let (tr, tc) = fp8.scales.tile(rows, cols);
+                        let gc = cols.div_ceil(tc);
+                        let values: Vec<f32> = q
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &b)| {
+                                let s = scale[i / cols / tr * gc + i % cols / tc];
+                                s * ingot_backend::quant::fp8::e4m3_to_f32(b)
+                            })
+                            .collect();
+                        bytes.push((n, s, self.dtype, encode(&values)?));
+                        continue;
+                    }
+                    let (scale_name, scale_shape) = match fp8.scales {
+                        Fp8Scales::Tile128 => (
+                            format!("{n}_scale_inv"),
+                            vec![rows.div_ceil(128), cols.div_ceil(128)],
+                        ),
+                        Fp8Scales::Channel => (format!("{n}_scale"), vec![rows, 1]),
+                        Fp8Scales::Tensor => (format!("{n}_scale"), vec![]),
+                    };
+                    bytes.push((n, s, Dtype::F8_E4M3, q));
+                    let scale = bytemuck::cast_slice(&scale).to_vec();
+                    bytes.push((scale_name, scale_shape, Dtype::F32, scale));
+                }
+                _ => bytes.push((n, s, self.dtype, encode(&v)?)),
+            }
+        }
         let shards = self.shards.max(1);
         let file_of = |i: usize| {
             if shards == 1 {
@@ -187,11 +296,11 @@ impl SyntheticSpec {
                 .iter()
                 .enumerate()
                 .filter(|(i, _)| i % shards == shard)
-                .map(|(_, (n, s, b))| {
+                .map(|(_, (n, s, dtype, b))| {
                     weight_map.insert(n.clone(), json!(file_of(shard)));
                     Ok((
                         n.clone(),
-                        TensorView::new(self.dtype, s.clone(), b).map_err(|e| anyhow!("{e}"))?,
+                        TensorView::new(*dtype, s.clone(), b).map_err(|e| anyhow!("{e}"))?,
                     ))
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -248,6 +357,13 @@ impl SyntheticSpec {
             };
             let obj = config.as_object_mut().expect("an object");
             obj.extend(moe.as_object().expect("an object").clone());
+        }
+        if let Some(fp8) = self.fp8.filter(|f| !f.dequantized) {
+            let obj = config.as_object_mut().expect("an object");
+            obj.insert(
+                "quantization_config".into(),
+                fp8.scales.quantization_config(),
+            );
         }
         std::fs::write(
             dir.join("config.json"),

@@ -729,7 +729,7 @@ impl<B: Backend> Weights<B> {
             .tensor(Role::Q, 0, full)?
             .with_context(|| format!("{}: missing weight Q of layer 0", ckpt.path().display()))?;
         ensure!(
-            dtype != WeightDType::Fp8 || !q0.dtype.is_quantized(),
+            dtype != WeightDType::Fp8 || !q0.dtype.is_quantized() || q0.dtype == DType::Fp8,
             "--quantization fp8 quantizes 16- and 32-bit checkpoints; {} holds {} matrices",
             ckpt.path().display(),
             q0.dtype
