@@ -60,7 +60,7 @@ const GEMV_MAX_ROWS: usize = 4;
 const SILU_VALUES: usize = 8;
 /// The constants above that kernels are written against, given to NVRTC as definitions, so
 /// that the grids the host computes and the kernels' indexing come from one value.
-const KERNEL_DEFINITIONS: [(&str, usize); 35] = [
+const KERNEL_DEFINITIONS: [(&str, usize); 37] = [
     ("GMAX", HEADS_PER_BLOCK),
     ("MMA_HEADS", HEADS_PER_MMA_BLOCK),
     ("SILU_VALUES", SILU_VALUES),
@@ -88,6 +88,8 @@ const KERNEL_DEFINITIONS: [(&str, usize); 35] = [
     ("MOE_LARGE_STAGES", moe::LARGE.stages),
     ("QUANT_ROWS", quant::GEMV_ROWS),
     ("QUANT_Q8_ROWS", quant::GEMV_Q8_ROWS),
+    ("QUANT_FP8_ROWS", quant::GEMV_FP8_ROWS),
+    ("QUANT_FP8_WARPS", quant::GEMV_FP8_WARPS),
     ("QMMA_ROWS", quant::MMA_ROWS),
     ("QMMA_WARPS", quant::MMA_WARPS),
     ("QMMA_CHUNK", quant::MMA_CHUNK),

@@ -230,14 +230,20 @@ __device__ __forceinline__ void load_rows(RawPart (&raw)[ROWS], const unsigned c
 // to spread that over twice the weights (H200, random Q4_K file at Llama-3.1-8B shapes, B=1
 // decode: 382 tok/s against 350 with four). Q6_K keeps four: its parts take 148 registers
 // at four rows already.
+// ROWS are the weight rows of a quant_gemv block (QUANT_ROWS). FP8 takes small blocks
+// (QUANT_FP8_WARPS and QUANT_FP8_ROWS, measured in quant.rs), 768 threads an SM at most.
 template <int F> struct GemvShape {
-    static constexpr int WARPS = 8, MIN = 3, Q8_ROWS = QUANT_ROWS;
+    static constexpr int WARPS = 8, MIN = 3, Q8_ROWS = QUANT_ROWS, ROWS = QUANT_ROWS;
 };
 template <> struct GemvShape<Q4_K> {
-    static constexpr int WARPS = 4, MIN = 4, Q8_ROWS = QUANT_Q8_ROWS;
+    static constexpr int WARPS = 4, MIN = 4, Q8_ROWS = QUANT_Q8_ROWS, ROWS = QUANT_ROWS;
 };
 template <> struct GemvShape<Q6_K> {
-    static constexpr int WARPS = 4, MIN = 2, Q8_ROWS = QUANT_ROWS;
+    static constexpr int WARPS = 4, MIN = 2, Q8_ROWS = QUANT_ROWS, ROWS = QUANT_ROWS;
+};
+template <> struct GemvShape<FP8> {
+    static constexpr int WARPS = QUANT_FP8_WARPS, MIN = 24 / QUANT_FP8_WARPS;
+    static constexpr int Q8_ROWS = QUANT_ROWS, ROWS = QUANT_FP8_ROWS;
 };
 
 // The end of a one-row-product block: its warps' sums of ROWS weight rows meet in shared
@@ -270,8 +276,8 @@ __device__ __forceinline__ void store_gemv_rows(float (&acc)[M][ROWS],
     }
 }
 
-// out[r, j] (+)= Σ_k x[r, k] · w[j, k] (+ bias[j]) for r < M and QUANT_ROWS rows j of w per
-// block: each x value read serves QUANT_ROWS weight rows. Lanes take a part of a block each
+// out[r, j] (+)= Σ_k x[r, k] · w[j, k] (+ bias[j]) for r < M and ROWS rows j of w per
+// block: each x value read serves ROWS weight rows. Lanes take a part of a block each
 // (32 / PARTS consecutive blocks per warp step), so a warp reads 256 to 512 contiguous bytes
 // of quants and 512 to 2,048 contiguous bytes of x per row; the block's WARPS warps take
 // every WARPS-th group of blocks along k, and their sums meet in shared memory in warp order.
@@ -282,20 +288,20 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
                            int n, int k, O* out, long long ld, int accumulate) {
     constexpr int PARTS = Block<F>::PARTS, VALS = Block<F>::VALS, PER_WARP = 32 / PARTS;
     constexpr int V = VALS / 16;  // 16-byte pieces of x per run
-    constexpr int WARPS = GemvShape<F>::WARPS;
-    __shared__ float partial[WARPS][M][QUANT_ROWS];
+    constexpr int WARPS = GemvShape<F>::WARPS, ROWS = GemvShape<F>::ROWS;
+    __shared__ float partial[WARPS][M][ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane % PARTS;
-    const int j0 = blockIdx.x * QUANT_ROWS;
+    const int j0 = blockIdx.x * ROWS;
     const int blocks = k / Block<F>::QK;
-    float acc[M][QUANT_ROWS];
+    float acc[M][ROWS];
 #pragma unroll
     for (int r = 0; r < M; r++)
 #pragma unroll
-        for (int i = 0; i < QUANT_ROWS; i++) acc[r][i] = 0.0f;
+        for (int i = 0; i < ROWS; i++) acc[r][i] = 0.0f;
 #pragma unroll 2
     for (int b = warp * PER_WARP + lane / PARTS; b < blocks; b += WARPS * PER_WARP) {
-        RawPart raw[QUANT_ROWS];
-        load_rows<F, QUANT_ROWS>(raw, w, nb, j0, n, blocks, b, p);
+        RawPart raw[ROWS];
+        load_rows<F, ROWS>(raw, w, nb, j0, n, blocks, b, p);
         uint4 xa[M][V], xb[M][V];
 #pragma unroll
         for (int r = 0; r < M; r++) {
@@ -307,7 +313,7 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
             }
         }
 #pragma unroll
-        for (int i = 0; i < QUANT_ROWS; i++) {
+        for (int i = 0; i < ROWS; i++) {
             float wf[VALS];
             dequantize_raw<F>(raw[i], p, wf);
 #pragma unroll
@@ -329,7 +335,7 @@ __device__ void quant_gemv(const f16* x, const unsigned char* w, long long nb, c
             }
         }
     }
-    store_gemv_rows<WARPS, M, QUANT_ROWS, O>(acc, partial, j0, bias, n, out, ld, accumulate);
+    store_gemv_rows<WARPS, M, ROWS, O>(acc, partial, j0, bias, n, out, ld, accumulate);
 }
 
 // One-row products of K-quant blocks (Q4_K, Q6_K) on int8 dot products, as llama.cpp's MMVQ:
