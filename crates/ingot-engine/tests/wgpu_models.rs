@@ -29,6 +29,13 @@ fn synthetic_models_match_the_cpu() {
     );
 }
 
+/// `--quantization fp8`: the FP8 blocks dequantized in the shaders, f32 activations as on
+/// the CPU.
+#[test]
+fn fp8_models_match_the_cpu() {
+    common::fp8_models_match_the_cpu(gpu, 1e-4);
+}
+
 #[test]
 fn embeddings_match_transformers() {
     common::embeddings_match_transformers(gpu, 0.99999, 1e-5);

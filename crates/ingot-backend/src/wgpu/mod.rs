@@ -3,7 +3,8 @@
 //!
 //! Activations run in f32 (the ops that bound a step read weights and the KV cache, which
 //! keep 16-bit formats); matrices are kept as f32, f16, bf16 or GGUF Q8_0, Q4_0, Q4_1, Q4_K,
-//! Q5_K or Q6_K blocks that the shaders dequantize (every GGUF format ingot reads); the KV
+//! Q5_K or Q6_K blocks or FP8 ones that the shaders dequantize (every block format ingot
+//! reads); the KV
 //! cache may be f32, f16 or bf16. Ops are recorded, not run: each
 //! adds a dispatch to the step's list, which goes to the GPU in compute passes of a few
 //! dozen dispatches as it grows, and at once when the host needs a result (a download, an

@@ -53,7 +53,7 @@ pub struct Kernel {
 }
 
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
-/// The GGUF block formats the weight accessors dequantize.
+/// The block formats (GGUF's and FP8) the weight accessors dequantize.
 pub const BLOCKS: &[DType] = &[
     DType::Q8_0,
     DType::Q4_0,
@@ -61,6 +61,7 @@ pub const BLOCKS: &[DType] = &[
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
+    DType::Fp8,
 ];
 /// The dtypes a weight matrix may have: the floats and the blocks.
 const WEIGHTS: &[DType] = &concat::<{ FLOATS.len() + BLOCKS.len() }>(FLOATS, BLOCKS);
@@ -407,6 +408,7 @@ fn block_accessor(t: &Typed, dtype: DType) -> String {
         DType::Q4K => (Q4K_AT, Q4K_AT8),
         DType::Q5K => (Q5K_AT, Q5K_AT8),
         DType::Q6K => (Q6K_AT, Q6K_AT8),
+        DType::Fp8 => (FP8_AT, FP8_AT8),
         other => panic!("no {other} accessors"),
     };
     let (n, b) = (t.name, t.binding);
@@ -421,7 +423,9 @@ fn block_accessor(t: &Typed, dtype: DType) -> String {
 }
 
 /// Unpacking shared by the block accessors: four signed bytes, the bits under `mask` of
-/// four bytes (four low nibbles: `u4x4`), one signed byte, and the 6-bit scale and min of
+/// four bytes (four low nibbles: `u4x4`), one signed byte, four e4m3 bytes (their exponent
+/// rebiased into an f32's, subnormals — exponent 0 — as m · 2^-9: a GPU may flush f32
+/// subnormals, which the bit move alone would make of them), and the 6-bit scale and min of
 /// K-quant sub-block j from its 12 packed scale bytes (words x, y, z of `s`). Sub-block j's
 /// bytes stand at byte j % 4 of fixed words, so both forms are shifts and masks, one
 /// selected: the lanes of a product read different sub-blocks, where a branch on j and a
@@ -439,6 +443,15 @@ fn u4x4(u: u32) -> vec4<f32> {
 }
 fn i8_at(w: u32, k: u32) -> f32 {
     return f32(bitcast<i32>(w << (24u - 8u * k)) >> 24u);
+}
+fn e4m3x4(u: u32) -> vec4<f32> {
+    let b = (vec4<u32>(u) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(255u);
+    let e = (b >> vec4<u32>(3u)) & vec4<u32>(15u);
+    let m = b & vec4<u32>(7u);
+    let normal = bitcast<vec4<f32>>(((b & vec4<u32>(128u)) << vec4<u32>(24u))
+        | ((e + vec4<u32>(120u)) << vec4<u32>(23u)) | (m << vec4<u32>(20u)));
+    let sign = select(vec4<f32>(1.0), vec4<f32>(-1.0), b >= vec4<u32>(128u));
+    return select(normal, sign * vec4<f32>(m) * 0.001953125, e == vec4<u32>(0u));
 }
 fn k4_scale_min(s: vec3<u32>, j: u32) -> vec2<f32> {
     let at = 8u * (j & 3u);
@@ -469,6 +482,23 @@ fn $N_at8(g: u32) -> W8 {
     let d = unpack2x16float($A[base])[b & 1u];
     let o = base + 1u + ((b & 1u) << 3u) + ((g & 3u) << 1u);
     return W8(d * i8x4($A[o]), d * i8x4($A[o + 1u]));
+}
+";
+
+// FP8 blocks of 128: word 0 holds the f32 scale, words 1-32 the e4m3 bytes in order.
+const FP8_AT: &str = "
+fn $N_at(i: u32) -> f32 {
+    let base = (i >> 7u) * 33u;
+    let qw = $A[base + 1u + ((i & 127u) >> 2u)];
+    return bitcast<f32>($A[base]) * e4m3x4(qw)[i & 3u];
+}
+";
+const FP8_AT8: &str = "
+fn $N_at8(g: u32) -> W8 {
+    let base = (g >> 4u) * 33u;
+    let d = bitcast<f32>($A[base]);
+    let o = base + 1u + ((g & 15u) << 1u);
+    return W8(d * e4m3x4($A[o]), d * e4m3x4($A[o + 1u]));
 }
 ";
 
