@@ -44,9 +44,10 @@ fn row_ops_match_the_cpu() {
     conformance::row_ops_match_the_cpu(&gpu(), &DTYPES);
 }
 
-/// Every op that reads a matrix, on the block formats (GGUF's and FP8): products of 1 to 257 rows (the GEMV's
-/// dequantization in registers, and the f16 scratch past it), with bias and into columns of
-/// a wider output, the MLPs, the residual-stream ops and the embedding gather.
+/// Every op that reads a matrix, on the block formats (GGUF's and FP8): products of 1 to
+/// 257 rows (the GEMV's dequantization in registers, and the f16 scratch past it), with bias
+/// and into columns of a wider output, the MLPs, the residual-stream ops and the embedding
+/// gather.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gguf_blocks_match_the_cpu() {

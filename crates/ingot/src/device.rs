@@ -278,8 +278,9 @@ impl ModelArgs {
         match (self.quantization, self.dtype) {
             (Some(Quantization::Fp8), WeightDType::Auto) => Ok(WeightDType::Fp8),
             (Some(Quantization::Fp8), other) => bail!(
-                "--dtype {other:?} with --quantization fp8: the FP8 matrices take the device's \
-                 activations (f16 on CUDA, f32 on the CPU); leave --dtype auto"
+                "--dtype {} with --quantization fp8: the FP8 matrices take the device's \
+                 activations (f16 on CUDA, f32 on the CPU and wgpu); leave --dtype auto",
+                format!("{other:?}").to_lowercase()
             ),
             (None, WeightDType::Fp8) => bail!("--dtype fp8: FP8 matrices are --quantization fp8"),
             (None, dtype) => Ok(dtype),
