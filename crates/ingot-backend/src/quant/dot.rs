@@ -4,8 +4,9 @@
 //! blocks (of 32 for Q8_0/Q4_0/Q4_1, of 256 for the K-quants; `super::activations`) and the
 //! dot product runs on integers (AVX-512 VNNI `vpdpbusd` or AVX2 `maddubs`/`madd`, see
 //! [`Isa`]), as llama.cpp does: decode is bound by weight bytes, and integer dots keep the
-//! compute below the memory time. f16/bf16 weights are converted block by block and dotted
-//! in f32.
+//! compute below the memory time. FP8 blocks are converted to f32 eight values at a time
+//! (through f16: F16C) against the f32 activations; f16/bf16 weights are converted block by
+//! block and dotted in f32.
 
 use super::activations::{Q8Block, Q8KBlock, Quantized, Q8K_BLOCK, Q8_BLOCK};
 #[cfg(target_arch = "x86_64")]
@@ -83,6 +84,19 @@ pub(super) fn dot_rows_multi_on(
                 }
                 return;
             }};
+        }
+        if dtype == DType::Fp8 {
+            assert!(xf.len() >= rows * k);
+            // SAFETY: as above; the activations' length was checked here.
+            unsafe {
+                match rows {
+                    1 => avx2::rows_fp8_multi::<1>(w, row_bytes, xf, k, n, out),
+                    2 => avx2::rows_fp8_multi::<2>(w, row_bytes, xf, k, n, out),
+                    3 => avx2::rows_fp8_multi::<3>(w, row_bytes, xf, k, n, out),
+                    _ => avx2::rows_fp8_multi::<4>(w, row_bytes, xf, k, n, out),
+                }
+            }
+            return;
         }
         let (nb, nbk) = (k / Q8_BLOCK, k / Q8K_BLOCK);
         match (isa, dtype, xq) {
@@ -330,22 +344,23 @@ mod tests {
         isas
     }
 
-    const QUANTS: [DType; 6] = [
+    const QUANTS: [DType; 7] = [
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
+        DType::Fp8,
     ];
 
     /// Row lengths: odd block counts (1, 3, 9, 33 blocks of 32 and 1, 3, 5 of 256) take
     /// the paired kernels' single-block tail.
     fn lengths(dtype: DType) -> &'static [usize] {
-        if dtype.block_len() == 32 {
-            &[32, 96, 256, 288, 1056]
-        } else {
-            &[256, 768, 1280]
+        match dtype.block_len() {
+            32 => &[32, 96, 256, 288, 1056],
+            128 => &[128, 384, 1152],
+            _ => &[256, 768, 1280],
         }
     }
 
@@ -361,8 +376,13 @@ mod tests {
                     let xq = qrows.quantize(dtype, &x, 1, n);
                     let mut wf = vec![0f32; n];
                     dequantize_row(dtype, &w, &mut wf);
-                    // Integer kernels see the quantized activations.
-                    let xr = xq.dequantized();
+                    // Integer kernels see the quantized activations; FP8's f32 kernel the
+                    // activations as they are.
+                    let xr = if dtype == DType::Fp8 {
+                        x.clone()
+                    } else {
+                        xq.dequantized()
+                    };
                     assert_eq!(xr.len(), n, "{dtype} has an integer kernel");
                     let want: f64 = wf.iter().zip(&xr).map(|(a, b)| *a as f64 * *b as f64).sum();
                     let mut got = [0f32];
