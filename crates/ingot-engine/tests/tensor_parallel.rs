@@ -24,6 +24,34 @@ fn models_split_over_two_ranks_equal_one_device() {
     );
 }
 
+/// `--quantization fp8` over two ranks: each rank quantizes its own share, whose column
+/// cuts (o_proj's heads, down_proj's MLP width) fall on whole 128-value blocks, so its
+/// blocks are the one-device model's and the split model equals it to summation order.
+#[test]
+fn fp8_models_split_over_two_ranks_equal_one_device() {
+    let spec = SyntheticSpec {
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 32,
+        ..SyntheticSpec::tiny(Arch::Llama)
+    };
+    let dir = std::env::temp_dir().join(format!("ingot-tp2-fp8-{}", std::process::id()));
+    spec.write(&dir).unwrap();
+    let seqs = common::random_seqs(5, &[1, 15, 17, 40], spec.vocab_size);
+    let mut whole = common::tensor_parallel_runner(cpus(1), &dir, WeightDType::Fp8);
+    assert_eq!(whole.model.weights.matrix_dtype, ingot_backend::DType::Fp8);
+    let mut split = common::tensor_parallel_runner(cpus(2), &dir, WeightDType::Fp8);
+    let (rows, worst) = common::mixed_logit_error(&mut whole, &mut split, &seqs);
+    std::fs::remove_dir_all(&dir).ok();
+    println!("fp8 over 2 ranks: {rows} logit rows, max relative error {worst:.2e}");
+    assert!(
+        worst <= 1e-5,
+        "fp8 over 2 ranks: relative logit error {worst}"
+    );
+}
+
 /// Four ranks: one attention head and one KV head each.
 #[test]
 fn models_split_over_four_ranks_equal_one_device() {
