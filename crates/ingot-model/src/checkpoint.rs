@@ -184,6 +184,44 @@ pub enum Checkpoint {
     },
 }
 
+/// The stored bytes of entry `e` (named `name`, for errors).
+fn entry_bytes<'a>(shards: &'a [Shard], e: &SafetensorsEntry, name: &str) -> Result<&'a [u8]> {
+    let s = &shards[e.shard];
+    s.mmap
+        .get(s.header_len + e.range.0..s.header_len + e.range.1)
+        .with_context(|| format!("{name}: data out of range"))
+}
+
+/// The e4m3 weight `e` (named `name`, its bytes `weight`) with its scales
+/// (`{name}_scale_inv`, or `{name}_scale`) as [`DType::Fp8`] blocks.
+fn e4m3_blocks(
+    shards: &[Shard],
+    entries: &HashMap<String, SafetensorsEntry>,
+    name: &str,
+    e: &SafetensorsEntry,
+    weight: &[u8],
+    format: Fp8Format,
+) -> Result<Vec<u8>> {
+    let (scale_name, scale) = ["_scale_inv", "_scale"]
+        .iter()
+        .map(|suffix| format!("{name}{suffix}"))
+        .find_map(|n| entries.get(&n).map(|e| (n, e)))
+        .with_context(|| format!("{name}: an FP8 weight without a weight_scale(_inv)"))?;
+    let Stored::Plain(scale_dtype) = scale.stored else {
+        bail!("{scale_name}: scales stored as FP8");
+    };
+    let mut values = vec![0f32; scale.shape.iter().product()];
+    let raw = entry_bytes(shards, scale, &scale_name)?;
+    ensure!(
+        raw.len() == scale_dtype.bytes_for(values.len()),
+        "{scale_name}: {} bytes for shape {:?}",
+        raw.len(),
+        scale.shape
+    );
+    ingot_backend::quant::dequantize_row(scale_dtype, raw, &mut values);
+    fp8_checkpoint::blocks(name, weight, &e.shape, &values, &scale.shape, format)
+}
+
 impl Checkpoint {
     /// Opens a `.gguf` file or an HF model directory.
     pub fn open(path: &Path) -> Result<Checkpoint> {
@@ -345,44 +383,12 @@ impl Checkpoint {
                 let Some(e) = entries.get(&name) else {
                     return Ok(None);
                 };
-                let bytes = |e: &SafetensorsEntry, name: &str| {
-                    let s = &shards[e.shard];
-                    s.mmap
-                        .get(s.header_len + e.range.0..s.header_len + e.range.1)
-                        .with_context(|| format!("{name}: data out of range"))
-                };
-                let data = bytes(e, &name)?;
+                let data = entry_bytes(shards, e, &name)?;
                 let dtype = match e.stored {
                     Stored::Plain(dtype) => dtype,
                     Stored::E4m3 => {
-                        let (scale_name, scale) = ["_scale_inv", "_scale"]
-                            .iter()
-                            .map(|suffix| format!("{name}{suffix}"))
-                            .find_map(|n| entries.get(&n).map(|e| (n, e)))
-                            .with_context(|| {
-                                format!("{name}: an FP8 weight without a weight_scale(_inv)")
-                            })?;
-                        let Stored::Plain(scale_dtype) = scale.stored else {
-                            bail!("{scale_name}: scales stored as FP8");
-                        };
-                        let mut values = vec![0f32; scale.shape.iter().product()];
-                        let raw = bytes(scale, &scale_name)?;
-                        ensure!(
-                            raw.len() == scale_dtype.bytes_for(values.len()),
-                            "{scale_name}: {} bytes for shape {:?}",
-                            raw.len(),
-                            scale.shape
-                        );
-                        ingot_backend::quant::dequantize_row(scale_dtype, raw, &mut values);
                         let format = fp8.unwrap_or_default();
-                        let blocks = fp8_checkpoint::blocks(
-                            &name,
-                            data,
-                            &e.shape,
-                            &values,
-                            &scale.shape,
-                            format,
-                        )?;
+                        let blocks = e4m3_blocks(shards, entries, &name, e, data, format)?;
                         return Ok(Some(HostTensor {
                             dtype: DType::Fp8,
                             shape: e.shape.clone(),

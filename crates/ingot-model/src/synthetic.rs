@@ -78,32 +78,44 @@ impl Fp8Scales {
     }
 }
 
-/// `values` of a `[rows, cols]` matrix in e4m3 with a scale per tile of `scales` (the tile's
-/// largest |value| over 448), and the scales in row-major tile order.
-fn quantize_fp8(
-    values: &[f32],
-    rows: usize,
-    cols: usize,
-    scales: Fp8Scales,
-) -> (Vec<u8>, Vec<f32>) {
-    use ingot_backend::quant::fp8::{f32_to_e4m3, E4M3_MAX};
+/// A `[rows, cols]` matrix in FP8 with a scale per tile of `scales`.
+struct Fp8Matrix {
+    /// The e4m3 bytes, row-major.
+    quants: Vec<u8>,
+    /// Each tile's largest |value| over 448, in row-major tile order.
+    scales: Vec<f32>,
+    /// The values the two stand for: e4m3 · scale.
+    values: Vec<f32>,
+}
+
+fn quantize_fp8(values: &[f32], rows: usize, cols: usize, scales: Fp8Scales) -> Fp8Matrix {
+    use ingot_backend::quant::fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
     let (tr, tc) = scales.tile(rows, cols);
     let (gr, gc) = (rows.div_ceil(tr), cols.div_ceil(tc));
+    let tile = |i: usize| i / cols / tr * gc + i % cols / tc;
     let mut amax = vec![0f32; gr * gc];
     for (i, v) in values.iter().enumerate() {
-        let g = i / cols / tr * gc + i % cols / tc;
-        amax[g] = amax[g].max(v.abs());
+        amax[tile(i)] = amax[tile(i)].max(v.abs());
     }
-    let scale: Vec<f32> = amax.iter().map(|a| a / E4M3_MAX).collect();
-    let q = values
+    let scales: Vec<f32> = amax.iter().map(|a| a / E4M3_MAX).collect();
+    let quants: Vec<u8> = values
         .iter()
         .enumerate()
         .map(|(i, v)| {
-            let s = scale[i / cols / tr * gc + i % cols / tc];
+            let s = scales[tile(i)];
             f32_to_e4m3(if s > 0.0 { v / s } else { 0.0 })
         })
         .collect();
-    (q, scale)
+    let values = quants
+        .iter()
+        .enumerate()
+        .map(|(i, &q)| scales[tile(i)] * e4m3_to_f32(q))
+        .collect();
+    Fp8Matrix {
+        quants,
+        scales,
+        values,
+    }
 }
 
 impl SyntheticSpec {
@@ -252,19 +264,9 @@ impl SyntheticSpec {
             match self.fp8 {
                 Some(fp8) if projection(&n) => {
                     let (rows, cols) = (s[0], s[1]);
-                    let (q, scale) = quantize_fp8(&v, rows, cols, fp8.scales);
+                    let m = quantize_fp8(&v, rows, cols, fp8.scales);
                     if fp8.dequantized {
-                        let (tr, tc) = fp8.scales.tile(rows, cols);
-                        let gc = cols.div_ceil(tc);
-                        let values: Vec<f32> = q
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &b)| {
-                                let s = scale[i / cols / tr * gc + i % cols / tc];
-                                s * ingot_backend::quant::fp8::e4m3_to_f32(b)
-                            })
-                            .collect();
-                        bytes.push((n, s, self.dtype, encode(&values)?));
+                        bytes.push((n, s, self.dtype, encode(&m.values)?));
                         continue;
                     }
                     let (scale_name, scale_shape) = match fp8.scales {
@@ -275,8 +277,8 @@ impl SyntheticSpec {
                         Fp8Scales::Channel => (format!("{n}_scale"), vec![rows, 1]),
                         Fp8Scales::Tensor => (format!("{n}_scale"), vec![]),
                     };
-                    bytes.push((n, s, Dtype::F8_E4M3, q));
-                    let scale = bytemuck::cast_slice(&scale).to_vec();
+                    bytes.push((n, s, Dtype::F8_E4M3, m.quants));
+                    let scale = bytemuck::cast_slice(&m.scales).to_vec();
                     bytes.push((scale_name, scale_shape, Dtype::F32, scale));
                 }
                 _ => bytes.push((n, s, self.dtype, encode(&v)?)),

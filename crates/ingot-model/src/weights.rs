@@ -419,7 +419,7 @@ struct Loader<'a, B: Backend> {
 /// activations and KV cache come next.
 const HOST_HEADROOM: usize = 1 << 30;
 
-/// Elements converted per task: a multiple of every block length (32, 256).
+/// Elements converted per task: a multiple of every block length (32, 128, 256).
 const CONVERT_CHUNK: usize = 1 << 16;
 
 /// Appends `t`'s values in `target` (a float dtype, or FP8 blocks) to `out` (quantized data

@@ -443,13 +443,14 @@ pub unsafe fn rows_fp8_multi<const R: usize>(
     n: usize,
     out: &mut [f32],
 ) {
-    const BB: usize = 132;
+    use crate::{quant::fp8::BLOCK, DType};
+    const BB: usize = DType::Fp8.block_bytes();
     let (sign, rest) = (_mm_set1_epi16(0x80), _mm_set1_epi16(0x7f));
     let x = xf.as_ptr();
     for j in 0..n {
         let wj = w.as_ptr().add(j * row_bytes);
         let mut total = [_mm256_setzero_ps(); R];
-        for blk in 0..k / 128 {
+        for blk in 0..k / BLOCK {
             let b = wj.add(BB * blk);
             _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
             let scale = (b as *const f32).read_unaligned() * 256.0;
@@ -462,7 +463,7 @@ pub unsafe fn rows_fp8_multi<const R: usize>(
                 );
                 let v = _mm256_cvtph_ps(h);
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_loadu_ps(x.add(r * k + 128 * blk + 8 * c));
+                    let xv = _mm256_loadu_ps(x.add(r * k + BLOCK * blk + 8 * c));
                     acc[c & 1] = _mm256_fmadd_ps(v, xv, acc[c & 1]);
                 }
             }
