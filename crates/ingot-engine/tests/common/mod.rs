@@ -744,9 +744,14 @@ pub fn spec_over_ranks_matches_one_device<B: Backend + 'static>(
     spec: &ingot_model::synthetic::SyntheticSpec,
     tol: f32,
 ) {
+    // Tests of one binary run at once in one process: two that split the same spec over
+    // the same ranks (plain and folding norms) would otherwise rewrite a checkpoint the
+    // other has mapped, which kills the process with SIGBUS.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let arch = spec.arch;
     let dir = std::env::temp_dir().join(format!(
-        "ingot-tp{size}-{arch:?}-kv{}-{}",
+        "ingot-tp{size}-{arch:?}-kv{}-{}-{call}",
         spec.num_kv_heads,
         std::process::id()
     ));
