@@ -16,6 +16,7 @@ const DTYPES: Dtypes = Dtypes {
     activations: &FLOATS,
     weights: |a| vec![a],
     caches: |_| FLOATS.to_vec(),
+    product_inputs: conformance::as_given,
 };
 
 /// The block formats the backend keeps (GGUF's and FP8), which run under f16 activations.
@@ -32,6 +33,7 @@ const BLOCK_DTYPES: Dtypes = Dtypes {
         ]
     },
     caches: |_| vec![DType::F16],
+    product_inputs: conformance::as_given,
 };
 
 fn gpu() -> CudaBackend {

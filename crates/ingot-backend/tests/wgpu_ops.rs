@@ -10,27 +10,26 @@
 mod conformance;
 
 use conformance::{Dtypes, FLOATS};
-use ingot_backend::wgpu::{shader, Options, WgpuBackend};
+use ingot_backend::wgpu::{self, shader, Options, WgpuBackend};
 use ingot_backend::{DType, QkvLayout};
 
 const DTYPES: Dtypes = Dtypes {
     activations: &[DType::F32],
     weights: |_| [&FLOATS[..], shader::BLOCKS].concat(),
     caches: |_| FLOATS.to_vec(),
+    product_inputs: conformance::as_given,
 };
 
-/// The backend with every feature, then with none.
-fn backends() -> Vec<WgpuBackend> {
-    [
-        Options::default(),
-        Options {
-            shader_f16: false,
-            subgroup: false,
-            ..Options::default()
-        },
-    ]
-    .into_iter()
-    .map(|o| {
+/// The same, for products on cooperative matrices.
+const COOP_DTYPES: Dtypes = Dtypes {
+    product_inputs: wgpu::cooperative_product_inputs,
+    ..DTYPES
+};
+
+/// The backend with every feature; without cooperative matrices, where it has them; and
+/// with no feature at all. Each with the dtypes its products take.
+fn backends() -> Vec<(WgpuBackend, &'static Dtypes)> {
+    let open = |o: Options| {
         let b = WgpuBackend::new(0, o).unwrap_or_else(|e| panic!("no wgpu adapter: {e:#}"));
         println!(
             "{} with {:?}",
@@ -38,28 +37,55 @@ fn backends() -> Vec<WgpuBackend> {
             b.features()
         );
         b
-    })
-    .collect()
+    };
+    let all = open(Options::default());
+    // Set where the adapter must have them (make test's run on scripts/fetch-coop-lavapipe):
+    // a suite that silently ran without them would test nothing new there.
+    if std::env::var_os("INGOT_WGPU_COOPERATIVE_MATRIX").is_some() {
+        assert!(
+            all.features().cooperative_matrix.is_some(),
+            "INGOT_WGPU_COOPERATIVE_MATRIX is set but the adapter has no cooperative matrices"
+        );
+    }
+    let mut out = vec![];
+    if all.features().cooperative_matrix.is_some() {
+        out.push((all, &COOP_DTYPES));
+        let without = Options {
+            cooperative_matrix: false,
+            ..Options::default()
+        };
+        out.push((open(without), &DTYPES));
+    } else {
+        out.push((all, &DTYPES));
+    }
+    let none = Options {
+        shader_f16: false,
+        subgroup: false,
+        cooperative_matrix: false,
+        ..Options::default()
+    };
+    out.push((open(none), &DTYPES));
+    out
 }
 
 #[test]
 fn row_ops_match_the_cpu() {
-    for g in backends() {
-        conformance::row_ops_match_the_cpu(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::row_ops_match_the_cpu(&g, d);
     }
 }
 
 #[test]
 fn rope_qk_norm_and_kv_write_match_the_cpu() {
-    for g in backends() {
-        conformance::rope_qk_norm_and_kv_write_match_the_cpu(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::rope_qk_norm_and_kv_write_match_the_cpu(&g, d);
     }
 }
 
 #[test]
 fn matmul_matches_the_cpu_and_writes_only_its_columns() {
-    for g in backends() {
-        conformance::matmul_matches_the_cpu_and_writes_only_its_columns(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::matmul_matches_the_cpu_and_writes_only_its_columns(&g, d);
     }
 }
 
@@ -67,43 +93,43 @@ fn matmul_matches_the_cpu_and_writes_only_its_columns() {
 /// depend on the other rows.
 #[test]
 fn decode_matmul_rows_do_not_depend_on_the_batch() {
-    for g in backends() {
+    for (g, _) in backends() {
         conformance::decode_matmul_rows_do_not_depend_on_the_batch(&g, 64);
     }
 }
 
 #[test]
 fn silu_mul_matmul_matches_the_cpu() {
-    for g in backends() {
-        conformance::silu_mul_matmul_matches_the_cpu(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::silu_mul_matmul_matches_the_cpu(&g, d);
     }
 }
 
 #[test]
 fn gated_mlp_matches_the_cpu() {
-    for g in backends() {
-        conformance::gated_mlp_matches_the_cpu(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::gated_mlp_matches_the_cpu(&g, d);
     }
 }
 
 #[test]
 fn attention_input_matches_the_cpu() {
-    for g in backends() {
-        conformance::attention_input_matches_the_cpu(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::attention_input_matches_the_cpu(&g, d);
     }
 }
 
 #[test]
 fn residual_stream_ops_match_the_cpu() {
-    for g in backends() {
-        conformance::residual_stream_ops_match_the_cpu(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::residual_stream_ops_match_the_cpu(&g, d);
     }
 }
 
 #[test]
 fn paged_attention_matches_the_cpu() {
-    for g in backends() {
-        conformance::paged_attention_matches_the_cpu(&g, &DTYPES);
+    for (g, d) in backends() {
+        conformance::paged_attention_matches_the_cpu(&g, d);
     }
 }
 
@@ -129,8 +155,8 @@ fn attention_of_other_shapes_matches_the_cpu() {
             head_dim: 256,
         },
     ];
-    for g in backends() {
-        conformance::paged_attention_matches_the_cpu_in(&g, &DTYPES, &layouts);
+    for (g, d) in backends() {
+        conformance::paged_attention_matches_the_cpu_in(&g, d, &layouts);
     }
 }
 
@@ -156,42 +182,42 @@ fn decode_attention_fits_32_kib_of_workgroup_memory() {
 
 #[test]
 fn decode_attention_does_not_depend_on_the_batch() {
-    for g in backends() {
+    for (g, _) in backends() {
         conformance::decode_attention_does_not_depend_on_the_batch(&g, DType::F32, DType::F16);
     }
 }
 
 #[test]
 fn argmax_picks_the_first_maximum_like_the_cpu() {
-    for g in backends() {
+    for (g, _) in backends() {
         conformance::argmax_picks_the_first_maximum_like_the_cpu(&g);
     }
 }
 
 #[test]
 fn sampling_picks_the_cpu_reference_token() {
-    for g in backends() {
+    for (g, _) in backends() {
         conformance::sampling_picks_the_cpu_reference_token(&g, false);
     }
 }
 
 #[test]
 fn host_buffer_uploads_what_was_written() {
-    for g in backends() {
+    for (g, _) in backends() {
         conformance::host_buffer_uploads_what_was_written(&g, 1);
     }
 }
 
 #[test]
 fn recorded_steps_replay_on_new_inputs() {
-    for g in backends() {
+    for (g, _) in backends() {
         conformance::recorded_steps_replay_on_new_inputs(&g, DType::F32);
     }
 }
 
 #[test]
 fn moe_ops_match_the_cpu() {
-    for g in backends() {
-        conformance::moe_ops_match_the_cpu(&g, &DTYPES, false);
+    for (g, d) in backends() {
+        conformance::moe_ops_match_the_cpu(&g, d, false);
     }
 }

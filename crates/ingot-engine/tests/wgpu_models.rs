@@ -157,3 +157,52 @@ fn matrices_split_over_buffers_match_the_cpu() {
         std::fs::remove_dir_all(&dir).ok();
     }
 }
+
+/// Prefill products on cooperative matrices (f16 inputs, f32 sums: steps past 64 rows with
+/// 16-bit weights) keep dense synthetic models' logits near the f32 CPU's: 1.0e-4 to
+/// 2.3e-4 on lavapipe, where the same steps without them give 2.2e-7 to 3.7e-7 (x and the
+/// layer's intermediate rows rounded to f16 in every product). Runs where the
+/// adapter has them (`make test` runs this file again on a lavapipe that does,
+/// scripts/fetch-coop-lavapipe, with INGOT_WGPU_COOPERATIVE_MATRIX=1, which fails the test
+/// rather than skip it where they are missing).
+#[test]
+fn prefill_on_cooperative_matrices_stays_near_the_cpu() {
+    use ingot_model::synthetic::SyntheticSpec;
+    use ingot_model::Arch;
+    let g = gpu();
+    if g.features().cooperative_matrix.is_none() {
+        assert!(
+            std::env::var_os("INGOT_WGPU_COOPERATIVE_MATRIX").is_none(),
+            "INGOT_WGPU_COOPERATIVE_MATRIX is set but the adapter has no cooperative matrices"
+        );
+        println!("skipped: no cooperative matrices on this adapter");
+        return;
+    }
+    drop(g);
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for stored in [Dtype::F16, Dtype::BF16] {
+            let spec = SyntheticSpec {
+                dtype: stored,
+                ..SyntheticSpec::tiny(arch)
+            };
+            let dir = std::env::temp_dir().join(format!(
+                "ingot-wgpu-coop-{arch:?}-{stored:?}-{}",
+                std::process::id()
+            ));
+            spec.write(&dir).unwrap();
+            let seqs = common::random_seqs(5, &[200, 130, 90, 7], spec.vocab_size);
+            let g = gpu();
+            let reference = common::cpu_reference_of(&g);
+            let auto = WeightDType::Auto;
+            let mut cpu = common::runner_on(reference, &dir, auto, 256, 4, 512, 64);
+            let mut gpu = common::runner_on(g, &dir, auto, 256, 4, 512, 64);
+            let (rows, worst) = common::mixed_logit_error(&mut cpu, &mut gpu, &seqs);
+            println!("{arch:?} {stored:?}: {rows} logit rows, max relative error {worst:.2e}");
+            assert!(
+                worst <= 2e-3,
+                "{arch:?} {stored:?}: relative logit error {worst}"
+            );
+            std::fs::remove_dir_all(&dir).ok();
+        }
+    }
+}

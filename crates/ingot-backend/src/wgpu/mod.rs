@@ -47,12 +47,14 @@ const GRID_X: u32 = 32768;
 /// 0.9 GiB of f16 weights peaked at 2.1 GB resident, 1.7 GB with waits).
 const UPLOAD_WAIT_BYTES: usize = 256 << 20;
 
-/// Which adapter features the backend may use: both on unless switched off to test the
-/// paths without them (`INGOT_WGPU_DISABLE=shader-f16,subgroup` on the command line).
+/// Which adapter features the backend may use: all on unless switched off to test the
+/// paths without them (`INGOT_WGPU_DISABLE=shader-f16,subgroup,cooperative-matrix` on the
+/// command line).
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
     pub shader_f16: bool,
     pub subgroup: bool,
+    pub cooperative_matrix: bool,
     /// A lower storage-binding limit than the adapter's, in bytes
     /// (`INGOT_WGPU_MAX_BINDING`): to see how a model splits, or fits, on a device with a
     /// smaller one.
@@ -68,6 +70,7 @@ impl Default for Options {
         Options {
             shader_f16: true,
             subgroup: true,
+            cooperative_matrix: true,
             max_binding: None,
             max_workgroup_memory: None,
         }
@@ -83,8 +86,10 @@ impl Options {
                 match name {
                     "shader-f16" => o.shader_f16 = false,
                     "subgroup" => o.subgroup = false,
+                    "cooperative-matrix" => o.cooperative_matrix = false,
                     other => bail!(
-                        "INGOT_WGPU_DISABLE: unknown feature `{other}` (expected shader-f16, subgroup)"
+                        "INGOT_WGPU_DISABLE: unknown feature `{other}` (expected shader-f16, \
+                         subgroup, cooperative-matrix)"
                     ),
                 }
             }
@@ -137,6 +142,45 @@ pub fn adapters() -> Vec<wgpu::Adapter> {
     all
 }
 
+/// The cooperative-matrix configuration the products take on `adapter`: square fragments
+/// with f16 inputs and f32 sums, 16 x 16 where offered (NVIDIA), else 8 x 8 (Metal's
+/// simdgroup matrices, lavapipe), on an adapter whose subgroups have one size (the kernels
+/// lay their tiles out by subgroup). None where it has no such configuration.
+fn cooperative_matrix(adapter: &wgpu::Adapter) -> Option<shader::CooperativeMatrix> {
+    if !adapter
+        .features()
+        .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+    {
+        return None;
+    }
+    let info = adapter.get_info();
+    let configs = adapter.cooperative_matrix_properties();
+    tracing::debug!(
+        "{}: cooperative matrix configurations {configs:?}",
+        info.name
+    );
+    if info.subgroup_min_size != info.subgroup_max_size {
+        tracing::info!(
+            "{}: subgroups of {} to {} threads; products without cooperative matrices",
+            info.name,
+            info.subgroup_min_size,
+            info.subgroup_max_size
+        );
+        return None;
+    }
+    let side = [16, 8].into_iter().find(|&side| {
+        configs.iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (side, side, side)
+                && c.ab_type == wgpu::CooperativeScalarType::F16
+                && c.cr_type == wgpu::CooperativeScalarType::F32
+        })
+    })?;
+    Some(shader::CooperativeMatrix {
+        side,
+        subgroup_size: info.subgroup_max_size,
+    })
+}
+
 /// A kernel's entry point in one dtype variant with values for its override constants.
 type PipelineKey = (&'static str, &'static str, DType, Vec<(&'static str, u32)>);
 
@@ -175,13 +219,22 @@ impl WgpuBackend {
         })?;
         let info = adapter.get_info();
         let offered = adapter.features();
+        let shader_f16 = options.shader_f16 && offered.contains(wgpu::Features::SHADER_F16);
+        let subgroup = options.subgroup && offered.contains(wgpu::Features::SUBGROUP);
         let features = Features {
-            shader_f16: options.shader_f16 && offered.contains(wgpu::Features::SHADER_F16),
-            subgroup: options.subgroup && offered.contains(wgpu::Features::SUBGROUP),
+            shader_f16,
+            subgroup,
+            cooperative_matrix: (options.cooperative_matrix && shader_f16 && subgroup)
+                .then(|| cooperative_matrix(&adapter))
+                .flatten(),
         };
         let mut required = wgpu::Features::empty();
         required.set(wgpu::Features::SHADER_F16, features.shader_f16);
         required.set(wgpu::Features::SUBGROUP, features.subgroup);
+        required.set(
+            wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+            features.cooperative_matrix.is_some(),
+        );
         // For the op profile only.
         required.set(
             wgpu::Features::TIMESTAMP_QUERY,
@@ -219,6 +272,14 @@ impl WgpuBackend {
             label: Some("ingot"),
             required_features: required,
             required_limits: limits.clone(),
+            // SAFETY: wgpu marks cooperative matrices experimental (its WGSL and their
+            // translation may change); the kernels that use them pass the conformance
+            // suite on each adapter kind against the CPU, as every kernel does.
+            experimental_features: if features.cooperative_matrix.is_some() {
+                unsafe { wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                wgpu::ExperimentalFeatures::disabled()
+            },
             ..Default::default()
         }))
         .with_context(|| format!("opening wgpu adapter {}", info.name))?;
@@ -232,7 +293,7 @@ impl WgpuBackend {
         );
         tracing::info!(
             "{name}: max buffer {} MiB, max storage binding {} MiB, workgroup memory {} KiB; \
-             shader-f16 {}, subgroups {}",
+             shader-f16 {}, subgroups {}, cooperative matrices {}",
             limits.max_buffer_size >> 20,
             limits.max_storage_buffer_binding_size >> 20,
             limits.max_compute_workgroup_storage_size >> 10,
@@ -245,6 +306,13 @@ impl WgpuBackend {
                 "on"
             } else {
                 "off (workgroup memory)"
+            },
+            match features.cooperative_matrix {
+                Some(c) => format!(
+                    "{0}x{0} f16 -> f32 fragments, subgroups of {1}",
+                    c.side, c.subgroup_size
+                ),
+                None => "off (f32 products)".into(),
             },
         );
         let dummy = device.create_buffer(&wgpu::BufferDescriptor {
@@ -272,6 +340,19 @@ impl WgpuBackend {
     /// The shader features this backend runs with.
     pub fn features(&self) -> Features {
         self.features
+    }
+
+    /// The cooperative-matrix configuration an `m`-row product of `k` with `weights`
+    /// runs on, if it does ([`cooperative_product_inputs`]).
+    fn cooperative_product(
+        &self,
+        m: usize,
+        k: usize,
+        weights: DType,
+    ) -> Option<shader::CooperativeMatrix> {
+        self.features
+            .cooperative_matrix
+            .filter(|_| cooperative_product_inputs(m, k, weights) == DType::F16)
     }
 
     /// The pipeline of `entry` in `kernel`'s `dtype` variant with `constants` for its
@@ -549,6 +630,57 @@ impl WgpuBackend {
 /// rows at most), k a multiple of 8 (16-byte loads).
 fn takes_wide_gemv(m: usize, k: usize) -> bool {
     m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8)
+}
+
+/// The dtype the inputs of an `m`-row product of `k` with `weights` are rounded to on
+/// cooperative matrices: f16 for 16-bit and block weights in products past the decode
+/// GEMVs' rows, with k whole pieces of 8; f32 (as given) otherwise. f32 weights keep f32
+/// products, so an f32 model still compares exactly with the CPU's.
+pub fn cooperative_product_inputs(m: usize, k: usize, weights: DType) -> DType {
+    if m > GEMV_CHUNKED_ROWS && k.is_multiple_of(8) && weights != DType::F32 {
+        DType::F16
+    } else {
+        DType::F32
+    }
+}
+
+/// How `gemm_coop` lays out a workgroup (its override constants): COOP_WM x COOP_WN
+/// subgroups, each COOP_FR fragments of rows by 32 columns.
+#[derive(Clone, Copy, Debug)]
+struct CoopTiles {
+    wm: u32,
+    wn: u32,
+    fr: u32,
+}
+
+impl CoopTiles {
+    /// 64 x 128 outputs a workgroup, 2 x 4 subgroups of 32 x 32 (unmeasured: a first
+    /// shape, within the kernel's limits of 64 rows, 128 columns and 16 fragments a
+    /// subgroup).
+    fn for_fragments(c: shader::CooperativeMatrix) -> CoopTiles {
+        CoopTiles {
+            wm: 2,
+            wn: 4,
+            fr: 32 / c.side,
+        }
+    }
+
+    fn rows(self, c: shader::CooperativeMatrix) -> usize {
+        (self.wm * self.fr * c.side) as usize
+    }
+
+    fn cols(self) -> usize {
+        self.wn as usize * 32
+    }
+
+    fn constants(self, c: shader::CooperativeMatrix) -> [(&'static str, u32); 4] {
+        [
+            ("COOP_SG", c.subgroup_size),
+            ("COOP_WM", self.wm),
+            ("COOP_WN", self.wn),
+            ("COOP_FR", self.fr),
+        ]
+    }
 }
 
 /// What `gemv_wide` does besides the product (its override constants).
@@ -915,6 +1047,14 @@ impl Backend for WgpuBackend {
                 &buffers,
                 n.div_ceil(GEMV_COLS),
             );
+        } else if let Some(c) = self.cooperative_product(m, k, w.dtype) {
+            let t = CoopTiles::for_fragments(c);
+            let grid = [n.div_ceil(t.cols()) as u32, m.div_ceil(t.rows(c)) as u32, 1];
+            let pipeline =
+                self.pipeline(&shader::MATMUL_COOP, "gemm_coop", w.dtype, &t.constants(c));
+            self.record(pipeline, &p, &wide, grid, || {
+                format!("gemm_coop {} n={n} k={k} {}x{}", w.dtype, c.side, c.side)
+            });
         } else if k.is_multiple_of(8) {
             let grid = [n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1];
             let pipeline = self.pipeline(&shader::MATMUL, "gemm_wide", w.dtype, &[]);
@@ -1526,6 +1666,25 @@ impl Backend for WgpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tiles the host picks stay within the arrays `gemm_coop` sizes for its largest
+    /// tile (matmul_coop.wgsl: 64 x 128 outputs, 16 accumulators and 8 fragments of x a
+    /// subgroup, 2048 f32 of fragments on their way out), for both fragment sides.
+    #[test]
+    fn cooperative_tiles_fit_the_kernel() {
+        for side in [8, 16] {
+            for subgroup_size in [8, 32] {
+                let c = shader::CooperativeMatrix {
+                    side,
+                    subgroup_size,
+                };
+                let t = CoopTiles::for_fragments(c);
+                assert!(t.rows(c) <= 64 && t.cols() <= 128, "{t:?} {c:?}");
+                assert!(t.fr <= 8 && t.fr * (32 / side) <= 16, "{t:?} {c:?}");
+                assert!(t.wm * t.wn * side * side <= 2048, "{t:?} {c:?}");
+            }
+        }
+    }
 
     #[test]
     fn q8_0_blocks_pair_up_scales_first_and_pad_an_odd_last_block() {

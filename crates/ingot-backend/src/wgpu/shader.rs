@@ -21,6 +21,19 @@ pub struct Features {
     /// `SUBGROUP`: reductions start with `subgroupAdd`/`subgroupMax`; without it they go
     /// through workgroup memory alone.
     pub subgroup: bool,
+    /// `EXPERIMENTAL_COOPERATIVE_MATRIX` with f16 inputs and f32 sums: the side of the
+    /// square fragments used (8 or 16) and the adapter's one subgroup size; without it the
+    /// products run on the f32 kernels.
+    pub cooperative_matrix: Option<CooperativeMatrix>,
+}
+
+/// The cooperative-matrix configuration the products use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CooperativeMatrix {
+    /// Rows, columns and depth of a fragment (F x F times F x F).
+    pub side: u32,
+    /// Threads of a subgroup: a workgroup is a whole number of subgroups.
+    pub subgroup_size: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +61,8 @@ pub struct Kernel {
     typed: &'static [Typed],
     /// Whether it calls `wg_sum`/`wg_max`.
     reduces: bool,
+    /// Whether it runs on cooperative matrices (built only where the adapter has them).
+    pub cooperative: bool,
     /// The dtypes its typed buffers may have (one variant each).
     pub dtypes: &'static [DType],
 }
@@ -87,6 +102,7 @@ pub const EMBEDDING: Kernel = Kernel {
         wide: None,
     }],
     reduces: false,
+    cooperative: false,
     dtypes: WEIGHTS,
 };
 
@@ -96,6 +112,7 @@ pub const NORM: Kernel = Kernel {
     source: include_str!("kernels/norm.wgsl"),
     typed: &[],
     reduces: true,
+    cooperative: false,
     dtypes: &[DType::F32],
 };
 
@@ -105,6 +122,7 @@ pub const ELEMENTWISE: Kernel = Kernel {
     source: include_str!("kernels/elementwise.wgsl"),
     typed: &[],
     reduces: false,
+    cooperative: false,
     dtypes: &[DType::F32],
 };
 
@@ -119,6 +137,7 @@ pub const MATMUL: Kernel = Kernel {
         wide: Some(6),
     }],
     reduces: false,
+    cooperative: false,
     dtypes: WEIGHTS,
 };
 
@@ -152,6 +171,7 @@ pub const QKV_ROPE: Kernel = Kernel {
         },
     ],
     reduces: false,
+    cooperative: false,
     dtypes: FLOATS,
 };
 
@@ -174,6 +194,7 @@ pub const ROPE: Kernel = Kernel {
         },
     ],
     reduces: false,
+    cooperative: false,
     dtypes: FLOATS,
 };
 
@@ -196,6 +217,7 @@ pub const ATTENTION: Kernel = Kernel {
         },
     ],
     reduces: true,
+    cooperative: false,
     dtypes: FLOATS,
 };
 
@@ -210,6 +232,7 @@ pub const MOE: Kernel = Kernel {
         wide: None,
     }],
     reduces: false,
+    cooperative: false,
     dtypes: WEIGHTS,
 };
 
@@ -219,7 +242,27 @@ pub const SAMPLING: Kernel = Kernel {
     source: include_str!("kernels/sampling.wgsl"),
     typed: &[],
     reduces: false,
+    cooperative: false,
     dtypes: &[DType::F32],
+};
+
+/// The GEMM on cooperative matrices: matmul.wgsl's accessors and epilogue, its own entry.
+pub const MATMUL_COOP: Kernel = Kernel {
+    file: "matmul_coop",
+    entries: &["gemm_coop"],
+    source: concat!(
+        include_str!("kernels/matmul.wgsl"),
+        include_str!("kernels/matmul_coop.wgsl")
+    ),
+    typed: &[Typed {
+        name: "w",
+        binding: 2,
+        access: Access::Read,
+        wide: Some(6),
+    }],
+    reduces: false,
+    cooperative: true,
+    dtypes: WEIGHTS,
 };
 
 pub const KERNELS: &[&Kernel] = &[
@@ -227,6 +270,7 @@ pub const KERNELS: &[&Kernel] = &[
     &NORM,
     &ELEMENTWISE,
     &MATMUL,
+    &MATMUL_COOP,
     &QKV_ROPE,
     &ROPE,
     &ATTENTION,
@@ -278,8 +322,17 @@ pub fn source(kernel: &Kernel, dtype: DType, f: Features) -> String {
     let native_f16 = f.shader_f16 && dtype == DType::F16 && !kernel.typed.is_empty();
     let subgroups = f.subgroup && kernel.reduces;
     let mut s = String::new();
-    if native_f16 {
+    let coop = kernel.cooperative.then(|| {
+        f.cooperative_matrix
+            .filter(|_| f.shader_f16)
+            .unwrap_or_else(|| panic!("{} needs cooperative matrices and f16", kernel.file))
+    });
+    if native_f16 || coop.is_some() {
         s += "enable f16;\n";
+    }
+    if let Some(c) = coop {
+        s += "enable wgpu_cooperative_matrix;\n";
+        s += &format!("const F: u32 = {}u;\n", c.side);
     }
     s += &format!("const WG: u32 = {WG}u;\n");
     // The lowest f32: a start for maxima whose exponentials underflow to 0, without the
@@ -313,10 +366,14 @@ pub fn source(kernel: &Kernel, dtype: DType, f: Features) -> String {
     } else {
         ("", "")
     };
-    s + &kernel
+    let body = kernel
         .source
         .replace("$SG_ARG", arg)
-        .replace("$SG_INIT", init)
+        .replace("$SG_INIT", init);
+    match coop {
+        Some(c) => s + &body.replace("coop_matFxF", &format!("coop_mat{0}x{0}", c.side)),
+        None => s + &body,
+    }
 }
 
 /// Declares buffer `t` and its `_at(i) -> f32` reader (and `_set2(i, a, b)`, writing
@@ -783,6 +840,35 @@ mod tests {
             .unwrap()
     }
 
+    /// The feature sets `kernel` is built with: with and without f16 and subgroups, and
+    /// for a cooperative-matrix kernel, f16 and subgroups with the fragment sides of Metal
+    /// and lavapipe (8) and of NVIDIA (16) and their subgroup sizes.
+    fn variants(kernel: &Kernel) -> Vec<Features> {
+        if kernel.cooperative {
+            return [(8, 32), (8, 8), (16, 32)]
+                .into_iter()
+                .map(|(side, subgroup_size)| Features {
+                    shader_f16: true,
+                    subgroup: true,
+                    cooperative_matrix: Some(CooperativeMatrix {
+                        side,
+                        subgroup_size,
+                    }),
+                })
+                .collect();
+        }
+        [false, true]
+            .into_iter()
+            .flat_map(|shader_f16| {
+                [false, true].map(|subgroup| Features {
+                    shader_f16,
+                    subgroup,
+                    cooperative_matrix: None,
+                })
+            })
+            .collect()
+    }
+
     /// Every kernel in every variant parses and validates, translates to Metal Shading
     /// Language, and fits Metal's 32 KiB of workgroup memory (decode attention with the
     /// tiles the host picks there): a shader error fails here on machines without any
@@ -791,60 +877,53 @@ mod tests {
     fn every_shader_validates_and_translates_to_metal() {
         for kernel in KERNELS {
             for &dtype in kernel.dtypes {
-                for shader_f16 in [false, true] {
-                    for subgroup in [false, true] {
-                        let f = Features {
-                            shader_f16,
-                            subgroup,
-                        };
-                        let what = format!("{} {dtype} {f:?}", kernel.file);
-                        let src = source(kernel, dtype, f);
-                        let module = naga::front::wgsl::parse_str(&src)
-                            .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(&src)));
-                        // pack2x16float/unpack2x16float: every WebGPU adapter has them.
-                        let mut caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
-                        caps.set(Capabilities::SHADER_FLOAT16, shader_f16);
-                        caps.set(Capabilities::SUBGROUP, subgroup);
-                        let info = Validator::new(ValidationFlags::all(), caps)
-                            .validate(&module)
-                            .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(&src)));
-                        for entry in kernel.entries {
-                            assert!(
-                                module.entry_points.iter().any(|e| e.name == *entry),
-                                "{what}: no entry point {entry}"
-                            );
-                        }
-                        // Override constants keep their defaults here (the host sets
-                        // them per pipeline).
-                        let (module, info) = naga::back::pipeline_constants::process_overrides(
-                            &module,
-                            &info,
-                            None,
-                            &Default::default(),
-                        )
-                        .unwrap_or_else(|e| panic!("{what}: overrides: {e}"));
-                        let options = msl::Options {
-                            lang_version: (2, 4),
-                            ..Default::default()
-                        };
-                        msl::write_string(
-                            &module,
-                            &info,
-                            &options,
-                            &msl::PipelineOptions::default(),
-                        )
+                for f in variants(kernel) {
+                    let what = format!("{} {dtype} {f:?}", kernel.file);
+                    let src = source(kernel, dtype, f);
+                    let module = naga::front::wgsl::parse_str(&src)
+                        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(&src)));
+                    // pack2x16float/unpack2x16float: every WebGPU adapter has them.
+                    let mut caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
+                    caps.set(Capabilities::SHADER_FLOAT16, f.shader_f16);
+                    caps.set(Capabilities::SUBGROUP, f.subgroup);
+                    caps.set(
+                        Capabilities::COOPERATIVE_MATRIX,
+                        f.cooperative_matrix.is_some(),
+                    );
+                    let info = Validator::new(ValidationFlags::all(), caps)
+                        .validate(&module)
+                        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(&src)));
+                    for entry in kernel.entries {
+                        assert!(
+                            module.entry_points.iter().any(|e| e.name == *entry),
+                            "{what}: no entry point {entry}"
+                        );
+                    }
+                    // Override constants keep their defaults here (the host sets
+                    // them per pipeline).
+                    let (module, info) = naga::back::pipeline_constants::process_overrides(
+                        &module,
+                        &info,
+                        None,
+                        &Default::default(),
+                    )
+                    .unwrap_or_else(|e| panic!("{what}: overrides: {e}"));
+                    let options = msl::Options {
+                        lang_version: (2, 4),
+                        ..Default::default()
+                    };
+                    msl::write_string(&module, &info, &options, &msl::PipelineOptions::default())
                         .unwrap_or_else(|e| panic!("{what}: Metal translation: {e}"));
-                        for ep in module.entry_points.iter().map(|e| e.name.as_str()) {
-                            let bytes = if ep == "decode" {
-                                decode_workgroup_bytes(&src, caps)
-                            } else {
-                                workgroup_bytes(&module, &info, ep)
-                            };
-                            assert!(
-                                bytes <= MIN_WORKGROUP_MEMORY,
-                                "{what} {ep}: {bytes} bytes of workgroup memory"
-                            );
-                        }
+                    for ep in module.entry_points.iter().map(|e| e.name.as_str()) {
+                        let bytes = if ep == "decode" {
+                            decode_workgroup_bytes(&src, caps)
+                        } else {
+                            workgroup_bytes(&module, &info, ep)
+                        };
+                        assert!(
+                            bytes <= MIN_WORKGROUP_MEMORY,
+                            "{what} {ep}: {bytes} bytes of workgroup memory"
+                        );
                     }
                 }
             }
