@@ -26,7 +26,8 @@ run: model build
 
 # Everything CI checks: formatting, lints, the Rust tests (the CUDA kernels compile with
 # NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run;
-# the wgpu tests run on Mesa's lavapipe), and the Python suite that drives `ingot serve`
+# the wgpu tests run on Mesa's lavapipe, and the wgpu conformance suite and a prefill test
+# again on a lavapipe with cooperative matrices, scripts/fetch-coop-lavapipe), and the Python suite that drives `ingot serve`
 # with the official openai client, headless Chromium (the chat page) and Prometheus (its
 # venv lives in ~/.cache/ingot); the openai-client part again on a synthetic Qwen3-MoE (on
 # one device, then split over two CPU ranks) and on a synthetic Qwen3 over two CPU ranks
@@ -38,6 +39,9 @@ test: model
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --all-features -- -D warnings
 	INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace
+	coop="$$(scripts/fetch-coop-lavapipe)" && for t in "wgpu_ops" "wgpu_models prefill_on_cooperative"; do \
+	  INGOT_WGPU_COOPERATIVE_MATRIX=1 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$$coop" \
+	  INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace --test $$t || exit 1; done
 	cd tests/python && "$$(../../scripts/python-test-env)" -m pytest -q
 	$(TARGET_DIR)/debug/examples/synthetic qwen3_moe target/synthetic-qwen3-moe \
 	  vocab=32000 hidden=256 layers=2 heads=4 kv_heads=2 head_dim=64 experts=16 per_token=4 \
