@@ -126,18 +126,35 @@ pub const ELEMENTWISE: Kernel = Kernel {
     dtypes: &[DType::F32],
 };
 
+/// The weights of matmul.wgsl's products, also bound as 16-byte vectors.
+const MATMUL_WEIGHTS: Typed = Typed {
+    name: "w",
+    binding: 2,
+    access: Access::Read,
+    wide: Some(6),
+};
+
 pub const MATMUL: Kernel = Kernel {
     file: "matmul",
     entries: &["gemv", "gemm"],
     source: include_str!("kernels/matmul.wgsl"),
-    typed: &[Typed {
-        name: "w",
-        binding: 2,
-        access: Access::Read,
-        wide: Some(6),
-    }],
+    typed: &[MATMUL_WEIGHTS],
     reduces: false,
     cooperative: false,
+    dtypes: WEIGHTS,
+};
+
+/// The GEMM on cooperative matrices: matmul.wgsl's accessors and epilogue, its own entry.
+pub const MATMUL_COOP: Kernel = Kernel {
+    file: "matmul_coop",
+    entries: &["gemm_coop"],
+    source: concat!(
+        include_str!("kernels/matmul.wgsl"),
+        include_str!("kernels/matmul_coop.wgsl")
+    ),
+    typed: &[MATMUL_WEIGHTS],
+    reduces: false,
+    cooperative: true,
     dtypes: WEIGHTS,
 };
 
@@ -151,12 +168,7 @@ pub const QKV_ROPE: Kernel = Kernel {
         include_str!("kernels/qkv_rope.wgsl")
     ),
     typed: &[
-        Typed {
-            name: "w",
-            binding: 2,
-            access: Access::Read,
-            wide: Some(6),
-        },
+        MATMUL_WEIGHTS,
         Typed {
             name: "kc",
             binding: 10,
@@ -244,25 +256,6 @@ pub const SAMPLING: Kernel = Kernel {
     reduces: false,
     cooperative: false,
     dtypes: &[DType::F32],
-};
-
-/// The GEMM on cooperative matrices: matmul.wgsl's accessors and epilogue, its own entry.
-pub const MATMUL_COOP: Kernel = Kernel {
-    file: "matmul_coop",
-    entries: &["gemm_coop"],
-    source: concat!(
-        include_str!("kernels/matmul.wgsl"),
-        include_str!("kernels/matmul_coop.wgsl")
-    ),
-    typed: &[Typed {
-        name: "w",
-        binding: 2,
-        access: Access::Read,
-        wide: Some(6),
-    }],
-    reduces: false,
-    cooperative: true,
-    dtypes: WEIGHTS,
 };
 
 pub const KERNELS: &[&Kernel] = &[
