@@ -161,24 +161,22 @@ fn matrices_split_over_buffers_match_the_cpu() {
 /// Prefill products on cooperative matrices (f16 inputs, f32 sums: steps past 64 rows with
 /// 16-bit weights) keep dense synthetic models' logits near the f32 CPU's: 1.0e-4 to
 /// 2.3e-4 on lavapipe, where the same steps without them give 2.2e-7 to 3.7e-7 (x and the
-/// layer's intermediate rows rounded to f16 in every product). Runs where the
-/// adapter has them (`make test` runs this file again on a lavapipe that does,
-/// scripts/fetch-coop-lavapipe, with INGOT_WGPU_COOPERATIVE_MATRIX=1, which fails the test
-/// rather than skip it where they are missing).
+/// layer's intermediate rows rounded to f16 in every product). Runs where the backend uses
+/// them (`make test` runs it again on a lavapipe that has them,
+/// scripts/fetch-coop-lavapipe, with INGOT_WGPU_COOPERATIVE_MATRIX=1, which makes opening
+/// the backend fail where they are missing).
 #[test]
 fn prefill_on_cooperative_matrices_stays_near_the_cpu() {
     use ingot_model::synthetic::SyntheticSpec;
     use ingot_model::Arch;
-    let g = gpu();
-    if g.features().cooperative_matrix.is_none() {
-        assert!(
-            std::env::var_os("INGOT_WGPU_COOPERATIVE_MATRIX").is_none(),
-            "INGOT_WGPU_COOPERATIVE_MATRIX is set but the adapter has no cooperative matrices"
-        );
-        println!("skipped: no cooperative matrices on this adapter");
+    let gpu = || {
+        WgpuBackend::new(0, Options::from_env().unwrap())
+            .unwrap_or_else(|e| panic!("no wgpu adapter: {e:#}"))
+    };
+    if gpu().features().cooperative_matrix.is_none() {
+        println!("skipped: this backend runs no product on cooperative matrices");
         return;
     }
-    drop(g);
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         for stored in [Dtype::F16, Dtype::BF16] {
             let spec = SyntheticSpec {

@@ -54,7 +54,7 @@ const UPLOAD_WAIT_BYTES: usize = 256 << 20;
 pub struct Options {
     pub shader_f16: bool,
     pub subgroup: bool,
-    pub cooperative_matrix: bool,
+    pub cooperative_matrix: CooperativeMatrices,
     /// A lower storage-binding limit than the adapter's, in bytes
     /// (`INGOT_WGPU_MAX_BINDING`): to see how a model splits, or fits, on a device with a
     /// smaller one.
@@ -70,7 +70,7 @@ impl Default for Options {
         Options {
             shader_f16: true,
             subgroup: true,
-            cooperative_matrix: true,
+            cooperative_matrix: CooperativeMatrices::Auto,
             max_binding: None,
             max_workgroup_memory: None,
         }
@@ -86,13 +86,20 @@ impl Options {
                 match name {
                     "shader-f16" => o.shader_f16 = false,
                     "subgroup" => o.subgroup = false,
-                    "cooperative-matrix" => o.cooperative_matrix = false,
+                    "cooperative-matrix" => o.cooperative_matrix = CooperativeMatrices::Off,
                     other => bail!(
                         "INGOT_WGPU_DISABLE: unknown feature `{other}` (expected shader-f16, \
                          subgroup, cooperative-matrix)"
                     ),
                 }
             }
+        }
+        if let Ok(v) = std::env::var("INGOT_WGPU_COOPERATIVE_MATRIX") {
+            o.cooperative_matrix = match v.trim() {
+                "1" => CooperativeMatrices::On,
+                "0" => CooperativeMatrices::Off,
+                other => bail!("INGOT_WGPU_COOPERATIVE_MATRIX: `{other}` is not 0 or 1"),
+            };
         }
         if let Ok(v) = std::env::var("INGOT_WGPU_MAX_WORKGROUP_MEMORY") {
             let bytes = v.trim().parse::<u32>().ok().filter(|&b| b > 0);
@@ -108,6 +115,19 @@ impl Options {
         }
         Ok(o)
     }
+}
+
+/// Whether products run on cooperative matrices where the adapter has them
+/// (`INGOT_WGPU_COOPERATIVE_MATRIX=0|1`; unset: Auto).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CooperativeMatrices {
+    Off,
+    /// On GPUs; off on CPU implementations, which emulate them in scalar code (lavapipe,
+    /// 2-core VM, SmolLM2 Q4_1 prefill of 256 tokens: 44.9-46.9 tok/s on them against
+    /// 59.4-61.4 without).
+    Auto,
+    /// Wherever offered, and an error where not.
+    On,
 }
 
 /// A device buffer and what it holds.
@@ -145,13 +165,13 @@ pub fn adapters() -> Vec<wgpu::Adapter> {
 /// The cooperative-matrix configuration the products take on `adapter`: square fragments
 /// with f16 inputs and f32 sums, 16 x 16 where offered (NVIDIA), else 8 x 8 (Metal's
 /// simdgroup matrices, lavapipe), on an adapter whose subgroups have one size (the kernels
-/// lay their tiles out by subgroup). None where it has no such configuration.
-fn cooperative_matrix(adapter: &wgpu::Adapter) -> Option<shader::CooperativeMatrix> {
+/// lay their tiles out by subgroup); why not where it has no such configuration.
+fn cooperative_matrix(adapter: &wgpu::Adapter) -> Result<shader::CooperativeMatrix, String> {
     if !adapter
         .features()
         .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
     {
-        return None;
+        return Err("it offers no cooperative matrices".into());
     }
     let info = adapter.get_info();
     let configs = adapter.cooperative_matrix_properties();
@@ -160,13 +180,10 @@ fn cooperative_matrix(adapter: &wgpu::Adapter) -> Option<shader::CooperativeMatr
         info.name
     );
     if info.subgroup_min_size != info.subgroup_max_size {
-        tracing::info!(
-            "{}: subgroups of {} to {} threads; products without cooperative matrices",
-            info.name,
-            info.subgroup_min_size,
-            info.subgroup_max_size
-        );
-        return None;
+        return Err(format!(
+            "its subgroups have {} to {} threads",
+            info.subgroup_min_size, info.subgroup_max_size
+        ));
     }
     let side = [16, 8].into_iter().find(|&side| {
         configs.iter().any(|c| {
@@ -174,8 +191,9 @@ fn cooperative_matrix(adapter: &wgpu::Adapter) -> Option<shader::CooperativeMatr
                 && c.ab_type == wgpu::CooperativeScalarType::F16
                 && c.cr_type == wgpu::CooperativeScalarType::F32
         })
-    })?;
-    Some(shader::CooperativeMatrix {
+    });
+    let side = side.ok_or("it has no square 8 or 16 fragments of f16 inputs and f32 sums")?;
+    Ok(shader::CooperativeMatrix {
         side,
         subgroup_size: info.subgroup_max_size,
     })
@@ -221,12 +239,34 @@ impl WgpuBackend {
         let offered = adapter.features();
         let shader_f16 = options.shader_f16 && offered.contains(wgpu::Features::SHADER_F16);
         let subgroup = options.subgroup && offered.contains(wgpu::Features::SUBGROUP);
+        let usable = if shader_f16 && subgroup {
+            cooperative_matrix(&adapter)
+        } else {
+            Err("the kernels on them need shader-f16 and subgroups".into())
+        };
+        let cpu_adapter = info.device_type == wgpu::DeviceType::Cpu;
+        let cooperative_matrix = match (options.cooperative_matrix, usable) {
+            (CooperativeMatrices::Off, _) => None,
+            (CooperativeMatrices::On, Err(why)) => bail!(
+                "adapter {}: INGOT_WGPU_COOPERATIVE_MATRIX=1 asks for cooperative matrices, \
+                 but {why}",
+                info.name
+            ),
+            (CooperativeMatrices::Auto, Ok(_)) if cpu_adapter => {
+                tracing::info!(
+                    "{}: a CPU implementation emulates cooperative matrices (slower than \
+                     the f32 products); off unless INGOT_WGPU_COOPERATIVE_MATRIX=1",
+                    info.name
+                );
+                None
+            }
+            (_, Ok(c)) => Some(c),
+            (CooperativeMatrices::Auto, Err(_)) => None,
+        };
         let features = Features {
             shader_f16,
             subgroup,
-            cooperative_matrix: (options.cooperative_matrix && shader_f16 && subgroup)
-                .then(|| cooperative_matrix(&adapter))
-                .flatten(),
+            cooperative_matrix,
         };
         let mut required = wgpu::Features::empty();
         required.set(wgpu::Features::SHADER_F16, features.shader_f16);
@@ -329,7 +369,7 @@ impl WgpuBackend {
             limits,
             name,
             pipelines: Mutex::new(HashMap::new()),
-            cpu_adapter: info.device_type == wgpu::DeviceType::Cpu,
+            cpu_adapter,
             recorder: Mutex::new(recorder),
             dummy,
             staging: Mutex::new(None),
