@@ -39,7 +39,7 @@ test: model
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --all-features -- -D warnings
 	INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace
-	coop="$$(scripts/fetch-coop-lavapipe)" && for t in "wgpu_ops" "wgpu_models prefill_on_cooperative"; do \
+	coop="$$(scripts/fetch-coop-lavapipe)" && for t in "wgpu_ops" "wgpu_models products_on_cooperative"; do \
 	  INGOT_WGPU_COOPERATIVE_MATRIX=1 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$$coop" \
 	  INGOT_CUDA_LIB_DIR="$$(scripts/fetch-nvrtc)" $(CARGO) test --workspace --test $$t || exit 1; done
 	cd tests/python && "$$(../../scripts/python-test-env)" -m pytest -q

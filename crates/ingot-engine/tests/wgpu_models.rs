@@ -158,15 +158,17 @@ fn matrices_split_over_buffers_match_the_cpu() {
     }
 }
 
-/// Prefill products on cooperative matrices (f16 inputs, f32 sums: steps past 64 rows with
-/// 16-bit weights) keep dense synthetic models' logits near the f32 CPU's: 1.0e-4 to
-/// 2.3e-4 on lavapipe, where the same steps without them give 2.2e-7 to 3.7e-7 (x and the
-/// layer's intermediate rows rounded to f16 in every product). Runs where the backend uses
-/// them (`make test` runs it again on a lavapipe that has them,
-/// scripts/fetch-coop-lavapipe, with INGOT_WGPU_COOPERATIVE_MATRIX=1, which makes opening
-/// the backend fail where they are missing).
+/// Products on cooperative matrices (f16 inputs, f32 sums: steps past 8 rows with 16-bit
+/// weights, prefill and decode batches, k split where tiles are few) keep dense synthetic
+/// models' logits near the f32 CPU's: on lavapipe 3.9e-5 to 1.9e-4 for four prompts of up
+/// to 200 tokens and 7.0e-5 to 4.1e-4 for twelve short sequences at once (steps of 9-64
+/// rows), where the same steps without them give 3.2e-7 to 6.3e-7 (x and the layer's
+/// intermediate rows rounded to f16 in every product). Runs where the backend uses them
+/// (`make test` runs it again on a lavapipe that has them, scripts/fetch-coop-lavapipe,
+/// with INGOT_WGPU_COOPERATIVE_MATRIX=1, which makes opening the backend fail where they
+/// are missing).
 #[test]
-fn prefill_on_cooperative_matrices_stays_near_the_cpu() {
+fn products_on_cooperative_matrices_stay_near_the_cpu() {
     use ingot_model::synthetic::SyntheticSpec;
     use ingot_model::Arch;
     let gpu = || {
@@ -177,10 +179,16 @@ fn prefill_on_cooperative_matrices_stays_near_the_cpu() {
         println!("skipped: this backend runs no product on cooperative matrices");
         return;
     }
+    let prefill = [200, 130, 90, 7];
+    let batch = [3, 40, 17, 25, 9, 31, 12, 5, 38, 22, 14, 28];
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         for stored in [Dtype::F16, Dtype::BF16] {
+            // Wide enough that a step of 9-64 rows splits k (256 and 640 are 2 and 5 runs).
             let spec = SyntheticSpec {
                 dtype: stored,
+                hidden_size: 256,
+                intermediate_size: 640,
+                head_dim: 64,
                 ..SyntheticSpec::tiny(arch)
             };
             let dir = std::env::temp_dir().join(format!(
@@ -188,18 +196,23 @@ fn prefill_on_cooperative_matrices_stays_near_the_cpu() {
                 std::process::id()
             ));
             spec.write(&dir).unwrap();
-            let seqs = common::random_seqs(5, &[200, 130, 90, 7], spec.vocab_size);
-            let g = gpu();
-            let reference = common::cpu_reference_of(&g);
-            let auto = WeightDType::Auto;
-            let mut cpu = common::runner_on(reference, &dir, auto, 256, 4, 512, 64);
-            let mut gpu = common::runner_on(g, &dir, auto, 256, 4, 512, 64);
-            let (rows, worst) = common::mixed_logit_error(&mut cpu, &mut gpu, &seqs);
-            println!("{arch:?} {stored:?}: {rows} logit rows, max relative error {worst:.2e}");
-            assert!(
-                worst <= 2e-3,
-                "{arch:?} {stored:?}: relative logit error {worst}"
-            );
+            for lens in [&prefill[..], &batch[..]] {
+                let seqs = common::random_seqs(5, lens, spec.vocab_size);
+                let g = gpu();
+                let reference = common::cpu_reference_of(&g);
+                let (auto, n) = (WeightDType::Auto, lens.len());
+                let mut cpu = common::runner_on(reference, &dir, auto, 256, n, 512, 64);
+                let mut gpu = common::runner_on(g, &dir, auto, 256, n, 512, 64);
+                let (rows, worst) = common::mixed_logit_error(&mut cpu, &mut gpu, &seqs);
+                println!(
+                    "{arch:?} {stored:?}, {n} sequences: {rows} logit rows, max relative \
+                     error {worst:.2e}"
+                );
+                assert!(
+                    worst <= 2e-3,
+                    "{arch:?} {stored:?}, {n} sequences: relative logit error {worst}"
+                );
+            }
             std::fs::remove_dir_all(&dir).ok();
         }
     }

@@ -216,6 +216,8 @@ pub struct WgpuBackend {
     dummy: wgpu::Buffer,
     /// Reused for downloads, grown as needed.
     staging: Mutex<Option<wgpu::Buffer>>,
+    /// The partial sums of split-k products on cooperative matrices, grown as needed.
+    partials: Mutex<Option<wgpu::Buffer>>,
     /// Bytes written by uploads since the device was last waited for.
     unwaited_upload: AtomicUsize,
 }
@@ -373,6 +375,7 @@ impl WgpuBackend {
             recorder: Mutex::new(recorder),
             dummy,
             staging: Mutex::new(None),
+            partials: Mutex::new(None),
             unwaited_upload: AtomicUsize::new(0),
         })
     }
@@ -383,7 +386,7 @@ impl WgpuBackend {
     }
 
     /// The cooperative-matrix configuration an `m`-row product of `k` with `weights`
-    /// runs on, if it does ([`cooperative_product_inputs`]).
+    /// runs on, if it does ([`cooperative_product_inputs`]): past GEMV_MAX_ROWS rows.
     fn cooperative_product(
         &self,
         m: usize,
@@ -393,6 +396,102 @@ impl WgpuBackend {
         self.features
             .cooperative_matrix
             .filter(|_| cooperative_product_inputs(m, k, weights) == DType::F16)
+    }
+
+    /// Whether `gemv_wide` takes a product of `m` rows of `k` with `weights`: decode steps
+    /// (GEMV_CHUNKED_ROWS rows at most) that do not run on cooperative matrices, k a
+    /// multiple of 8 (16-byte loads).
+    fn takes_wide_gemv(&self, m: usize, k: usize, weights: DType) -> bool {
+        m <= GEMV_CHUNKED_ROWS
+            && k.is_multiple_of(8)
+            && self.cooperative_product(m, k, weights).is_none()
+    }
+
+    /// Rows up to which a decode row's product is bitwise the same alone and in a batch
+    /// (k a multiple of 8): the GEMVs' rows. Past GEMV_MAX_ROWS, products with 16-bit and
+    /// block weights on cooperative matrices round x to f16 and sum in the matrix units'
+    /// order, as tensor-core products on CUDA do.
+    pub fn batch_invariant_rows(&self) -> usize {
+        if self.features.cooperative_matrix.is_some() {
+            GEMV_MAX_ROWS
+        } else {
+            GEMV_CHUNKED_ROWS
+        }
+    }
+
+    /// `x · wᵀ` (+ bias, or added to `out` with `add_out`) on cooperative matrices `c`:
+    /// gemm_coop over the tiles of [`CoopTiles::for_rows`], with k split where they are
+    /// few, then gemm_coop_reduce over the runs' partial sums.
+    #[allow(clippy::too_many_arguments)]
+    fn coop_product(
+        &self,
+        c: shader::CooperativeMatrix,
+        x: &WgpuBuffer,
+        w: &WgpuBuffer,
+        bias: Option<&WgpuBuffer>,
+        (m, n, k): (usize, usize, usize),
+        out: &WgpuBuffer,
+        (ld, col): (usize, usize),
+        add_out: bool,
+    ) {
+        let t = CoopTiles::for_rows(c, m);
+        let splits = t.splits(c, m, n, k);
+        let p = words(&[m, n, k, ld, col, bias.is_some() as usize]);
+        // Bound without a split too (the kernel names it), though not written then.
+        let partials = self.partials(splits * m * n);
+        let bias = bias.map_or(&self.dummy, |b| &b.buf);
+        let buffers = [
+            (5, &x.buf),
+            (6, &w.buf),
+            (3, bias),
+            (4, &out.buf),
+            (7, &partials),
+        ];
+        let add = ("ADD_OUT", u32::from(add_out));
+        let constants = [&t.constants(c)[..], &[add]].concat();
+        let pipeline = self.pipeline(&shader::MATMUL_COOP, "gemm_coop", w.dtype, &constants);
+        let tiles = [
+            n.div_ceil(t.cols()) as u32,
+            m.div_ceil(t.rows(c)) as u32,
+            splits as u32,
+        ];
+        let add = if add_out { "_add" } else { "" };
+        self.record(pipeline, &p, &buffers, tiles, || {
+            let (side, dtype) = (c.side, w.dtype);
+            format!("gemm_coop{add} {dtype} n={n} k={k} {side}x{side} splits={splits}")
+        });
+        if splits > 1 {
+            let constants = [
+                ("COOP_SPLITS", splits as u32),
+                ("ADD_OUT", u32::from(add_out)),
+            ];
+            let pipeline = self.pipeline(
+                &shader::MATMUL_COOP,
+                "gemm_coop_reduce",
+                w.dtype,
+                &constants,
+            );
+            let groups = grid((m * n).div_ceil(WG as usize));
+            let buffers = [(3, bias), (4, &out.buf), (7, &partials)];
+            self.record(pipeline, &p, &buffers, groups, || {
+                format!("gemm_coop_reduce{add} n={n} splits={splits}")
+            });
+        }
+    }
+
+    /// The buffer of split-k partial sums, at least `floats` long.
+    fn partials(&self, floats: usize) -> wgpu::Buffer {
+        let size = (floats * 4) as u64;
+        let mut partials = self.partials.lock().unwrap();
+        if partials.as_ref().is_none_or(|b| b.size() < size) {
+            *partials = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("split-k partials"),
+                size,
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            }));
+        }
+        partials.as_ref().unwrap().clone()
     }
 
     /// The pipeline of `entry` in `kernel`'s `dtype` variant with `constants` for its
@@ -666,18 +765,13 @@ impl WgpuBackend {
     }
 }
 
-/// Whether `gemv_wide` takes a product of `m` rows of `k`: decode steps (GEMV_CHUNKED_ROWS
-/// rows at most), k a multiple of 8 (16-byte loads).
-fn takes_wide_gemv(m: usize, k: usize) -> bool {
-    m <= GEMV_CHUNKED_ROWS && k.is_multiple_of(8)
-}
-
 /// The dtype the inputs of an `m`-row product of `k` with `weights` are rounded to on
-/// cooperative matrices: f16 for 16-bit and block weights in products past the decode
-/// GEMVs' rows, with k whole pieces of 8; f32 (as given) otherwise. f32 weights keep f32
-/// products, so an f32 model still compares exactly with the CPU's.
+/// cooperative matrices: f16 for 16-bit and block weights in products past the one-pass
+/// GEMV's rows (batched decode and prefill), with k whole pieces of 8; f32 (as given)
+/// otherwise. f32 weights keep f32 products, so an f32 model still compares exactly with
+/// the CPU's.
 pub fn cooperative_product_inputs(m: usize, k: usize, weights: DType) -> DType {
-    if m > GEMV_CHUNKED_ROWS && k.is_multiple_of(8) && weights != DType::F32 {
+    if m > GEMV_MAX_ROWS && k.is_multiple_of(8) && weights != DType::F32 {
         DType::F16
     } else {
         DType::F32
@@ -693,15 +787,31 @@ struct CoopTiles {
     fr: u32,
 }
 
+/// Workgroups a split-k product of few rows aims for, so that a decode batch's product
+/// of a 4096-wide output (32 tiles of 128 columns) keeps a GPU's cores busy: 8 runs of k
+/// for it, 2 for a 28,672-wide gate/up product. Unmeasured on a GPU: a first figure.
+const COOP_SPLIT_WORKGROUPS: usize = 256;
+/// Fewest k steps (of gemm_coop's 32) in a run of a split-k product.
+const COOP_MIN_RUN_STEPS: usize = 4;
+
 impl CoopTiles {
-    /// 64 x 128 outputs a workgroup, 2 x 4 subgroups of 32 x 32 (unmeasured: a first
-    /// shape, within the kernel's limits of 64 rows, 128 columns and 16 fragments a
-    /// subgroup).
-    fn for_fragments(c: shader::CooperativeMatrix) -> CoopTiles {
-        CoopTiles {
-            wm: 2,
-            wn: 4,
-            fr: 32 / c.side,
+    /// The tiles of an `m`-row product: up to GEMV_CHUNKED_ROWS (decode batches), one row of
+    /// 16 x 32 subgroup tiles as tall as `m` needs, 128 columns; past it 64 x 128 outputs
+    /// a workgroup, 2 x 4 subgroups of 32 x 32. Both within the kernel's limits of 64 rows,
+    /// 128 columns and 16 fragments a subgroup; unmeasured on a GPU.
+    fn for_rows(c: shader::CooperativeMatrix, m: usize) -> CoopTiles {
+        if m <= GEMV_CHUNKED_ROWS {
+            CoopTiles {
+                wm: 16 / c.side,
+                wn: 4,
+                fr: m.div_ceil(16) as u32,
+            }
+        } else {
+            CoopTiles {
+                wm: 2,
+                wn: 4,
+                fr: 32 / c.side,
+            }
         }
     }
 
@@ -711,6 +821,15 @@ impl CoopTiles {
 
     fn cols(self) -> usize {
         self.wn as usize * 32
+    }
+
+    /// Runs of k an (m, n, k) product takes: one where its tiles fill the GPU, else as
+    /// many as bring them to COOP_SPLIT_WORKGROUPS, each of COOP_MIN_RUN_STEPS steps at
+    /// least.
+    fn splits(self, c: shader::CooperativeMatrix, m: usize, n: usize, k: usize) -> usize {
+        let tiles = n.div_ceil(self.cols()) * m.div_ceil(self.rows(c));
+        let most = k.div_ceil(32 * COOP_MIN_RUN_STEPS);
+        COOP_SPLIT_WORKGROUPS.div_ceil(tiles).clamp(1, most.max(1))
     }
 
     fn constants(self, c: shader::CooperativeMatrix) -> [(&'static str, u32); 4] {
@@ -1075,9 +1194,11 @@ impl Backend for WgpuBackend {
             (3, bias.map_or(&self.dummy, |b| &b.buf)),
             (4, &out.buf.buf),
         ];
-        if takes_wide_gemv(m, k) {
-            let (at, plain) = ((out.row_stride, out.col_offset), GemvEpilogue::default());
-            self.wide_product(x, w, bias, (m, n, k), out.buf, at, plain);
+        let at = (out.row_stride, out.col_offset);
+        if self.takes_wide_gemv(m, k, w.dtype) {
+            self.wide_product(x, w, bias, (m, n, k), out.buf, at, GemvEpilogue::default());
+        } else if let Some(c) = self.cooperative_product(m, k, w.dtype) {
+            self.coop_product(c, x, w, bias, (m, n, k), out.buf, at, false);
         } else if m <= GEMV_MAX_ROWS {
             self.dispatch(
                 &shader::MATMUL,
@@ -1087,14 +1208,6 @@ impl Backend for WgpuBackend {
                 &buffers,
                 n.div_ceil(GEMV_COLS),
             );
-        } else if let Some(c) = self.cooperative_product(m, k, w.dtype) {
-            let t = CoopTiles::for_fragments(c);
-            let grid = [n.div_ceil(t.cols()) as u32, m.div_ceil(t.rows(c)) as u32, 1];
-            let pipeline =
-                self.pipeline(&shader::MATMUL_COOP, "gemm_coop", w.dtype, &t.constants(c));
-            self.record(pipeline, &p, &wide, grid, || {
-                format!("gemm_coop {} n={n} k={k} {}x{}", w.dtype, c.side, c.side)
-            });
         } else if k.is_multiple_of(8) {
             let grid = [n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1];
             let pipeline = self.pipeline(&shader::MATMUL, "gemm_wide", w.dtype, &[]);
@@ -1120,7 +1233,7 @@ impl Backend for WgpuBackend {
         scratch: MlpScratch<'_, Self>,
         out: MatmulOut<'_, Self>,
     ) {
-        if !takes_wide_gemv(m, k) {
+        if !self.takes_wide_gemv(m, k, gate_up.dtype) {
             return crate::gated_mlp_in_two_products(
                 self, x, gate_up, down, m, k, ffn, n, scratch, out,
             );
@@ -1152,7 +1265,7 @@ impl Backend for WgpuBackend {
         normed: &mut WgpuBuffer,
         out: MatmulOut<'_, Self>,
     ) {
-        if !takes_wide_gemv(m, k) {
+        if !self.takes_wide_gemv(m, k, w.dtype) {
             return crate::rms_norm_then_matmul(self, x, unit, eps, w, bias, m, n, k, normed, out);
         }
         let normed_x = GemvEpilogue {
@@ -1181,7 +1294,7 @@ impl Backend for WgpuBackend {
     ) {
         let layout = rope.layout;
         let n = layout.row_len();
-        let fused = takes_wide_gemv(m, k)
+        let fused = self.takes_wide_gemv(m, k, w.dtype)
             && rope.rotary_dim == layout.head_dim
             && layout.head_dim.is_multiple_of(4)
             && w.dtype == rope.k_cache.dtype
@@ -1228,7 +1341,10 @@ impl Backend for WgpuBackend {
         product: &mut WgpuBuffer,
         acc: &mut WgpuBuffer,
     ) {
-        if !takes_wide_gemv(m, k) {
+        if let Some(c) = self.cooperative_product(m, k, w.dtype) {
+            return self.coop_product(c, x, w, None, (m, n, k), acc, (n, 0), true);
+        }
+        if !self.takes_wide_gemv(m, k, w.dtype) {
             return crate::matmul_then_add(self, x, w, m, n, k, product, acc);
         }
         let add = GemvEpilogue {
@@ -1256,7 +1372,7 @@ impl Backend for WgpuBackend {
         product: &mut WgpuBuffer,
         accumulate: bool,
     ) {
-        if !takes_wide_gemv(m, k) || !accumulate {
+        if !self.takes_wide_gemv(m, k, gate_up.dtype) || !accumulate {
             return crate::rms_norm_gated_mlp_then_add(
                 self, residual, unit, eps, gate_up, down, m, k, ffn, scratch, normed, product,
                 accumulate,
@@ -1707,9 +1823,10 @@ impl Backend for WgpuBackend {
 mod tests {
     use super::*;
 
-    /// The tiles the host picks stay within the arrays `gemm_coop` sizes for its largest
-    /// tile (matmul_coop.wgsl: 64 x 128 outputs, 16 accumulators and 8 fragments of x a
-    /// subgroup, 2048 f32 of fragments on their way out), for both fragment sides.
+    /// The tiles the host picks for every row count stay within the arrays `gemm_coop`
+    /// sizes for its largest tile (matmul_coop.wgsl: 64 x 128 outputs, 16 accumulators
+    /// and 8 fragments of x a subgroup, 2048 f32 of fragments on their way out), for both
+    /// fragment sides, and cover the rows.
     #[test]
     fn cooperative_tiles_fit_the_kernel() {
         for side in [8, 16] {
@@ -1718,12 +1835,34 @@ mod tests {
                     side,
                     subgroup_size,
                 };
-                let t = CoopTiles::for_fragments(c);
-                assert!(t.rows(c) <= 64 && t.cols() <= 128, "{t:?} {c:?}");
-                assert!(t.fr <= 8 && t.fr * (32 / side) <= 16, "{t:?} {c:?}");
-                assert!(t.wm * t.wn * side * side <= 2048, "{t:?} {c:?}");
+                for m in (GEMV_MAX_ROWS + 1..=70).chain([1024]) {
+                    let t = CoopTiles::for_rows(c, m);
+                    assert!(t.rows(c) <= 64 && t.cols() <= 128, "{t:?} {c:?}");
+                    assert!(t.fr <= 8 && t.fr * (32 / side) <= 16, "{t:?} {c:?}");
+                    assert!(t.wm * t.wn * side * side <= 2048, "{t:?} {c:?}");
+                    assert!(
+                        m > 64 || t.rows(c) >= m,
+                        "{m} rows in one tile: {t:?} {c:?}"
+                    );
+                }
             }
         }
+    }
+
+    /// Decode products of a 4096-wide output split k; a prefill's many tiles and a short
+    /// k do not; no run is shorter than COOP_MIN_RUN_STEPS steps.
+    #[test]
+    fn few_tiles_split_k() {
+        let c = shader::CooperativeMatrix {
+            side: 16,
+            subgroup_size: 32,
+        };
+        let splits = |m, n, k| CoopTiles::for_rows(c, m).splits(c, m, n, k);
+        assert_eq!(splits(16, 4096, 4096), 8);
+        assert_eq!(splits(16, 28672, 4096), 2);
+        assert_eq!(splits(1024, 4096, 4096), 1);
+        assert_eq!(splits(16, 64, 100), 1);
+        assert_eq!(splits(16, 64, 1024), 8);
     }
 
     #[test]

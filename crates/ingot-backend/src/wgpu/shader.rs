@@ -147,7 +147,7 @@ pub const MATMUL: Kernel = Kernel {
 /// The GEMM on cooperative matrices: matmul.wgsl's accessors and epilogue, its own entry.
 pub const MATMUL_COOP: Kernel = Kernel {
     file: "matmul_coop",
-    entries: &["gemm_coop"],
+    entries: &["gemm_coop", "gemm_coop_reduce"],
     source: concat!(
         include_str!("kernels/matmul.wgsl"),
         include_str!("kernels/matmul_coop.wgsl")

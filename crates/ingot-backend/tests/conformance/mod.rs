@@ -855,10 +855,10 @@ pub fn silu_mul_matmul_matches_the_cpu<G: Backend>(g: &G, d: &Dtypes) {
                     col_offset: 0,
                 },
             );
-            check(
+            check_within(
                 &g.download_f32(&out, m * n).unwrap(),
                 &c.download_f32(&want, m * n).unwrap(),
-                dtype,
+                op_tol(d, dtype, m, &[ffn], wd),
                 &format!("silu_mul_matmul {dtype}x{wd} m{m} n{n} ffn{ffn}"),
             );
         }
@@ -1526,7 +1526,10 @@ pub fn decode_matmul_rows_do_not_depend_on_the_batch<G: Backend>(g: &G, max_rows
                 .chunks(k)
                 .map(|row| product(row, &w, 1, n, k, normed))
                 .collect();
-            for m in [2, 5, 8, 9, 16, 37, max_rows] {
+            for m in [2, 5, 8, 9, 16, 37, max_rows]
+                .into_iter()
+                .filter(|&m| m <= max_rows)
+            {
                 let got = product(&x, &w, m, n, k, normed);
                 for (r, want) in alone[..m].iter().enumerate() {
                     assert_eq!(

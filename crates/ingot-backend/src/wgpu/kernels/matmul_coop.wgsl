@@ -9,6 +9,10 @@
 // rows by COOP_WN * SUB_COLS columns. Tiles of x and w go through workgroup memory in
 // steps of CK along k, row-major with rows CK_PAD apart; a fragment of x loads row-major
 // (A) and one of w column-major (B = wᵀ) from there.
+//
+// Products of few rows (decode batches) have few tiles, so the grid also splits k: the
+// workgroups of z = s take the s-th of num_workgroups.z runs of k steps and write their
+// sums to partials[s][row][column]; gemm_coop_reduce adds the runs up through store().
 alias FragA = coop_matFxF<f16, A>;
 alias FragB = coop_matFxF<f16, B>;
 alias FragC = coop_matFxF<f32, C>;
@@ -33,9 +37,11 @@ var<workgroup> xs_h: array<f16, 2560>; // TILE_ROWS * CK_PAD
 var<workgroup> ws_h: array<f16, 5120>; // TILE_COLS * CK_PAD
 // One fragment of each subgroup on its way out (at most 8 subgroups of 16 x 16).
 var<workgroup> frag_out: array<f32, 2048>;
+@group(0) @binding(7) var<storage, read_write> partials: array<f32>;
 
 @compute @workgroup_size(COOP_THREADS)
 fn gemm_coop(@builtin(workgroup_id) wg: vec3<u32>,
+             @builtin(num_workgroups) nwg: vec3<u32>,
              @builtin(local_invocation_index) lid: u32,
              @builtin(subgroup_id) sg: u32,
              @builtin(subgroup_invocation_id) lane: u32) {
@@ -50,7 +56,10 @@ fn gemm_coop(@builtin(workgroup_id) wg: vec3<u32>,
     for (var i = 0u; i < COOP_FR * SUB_FC; i++) {
         acc[i] = FragC();
     }
-    for (var k0 = 0u; k0 < p.k; k0 += CK) {
+    // This workgroup's run of k steps; the last run may be shorter or empty.
+    let run = ((p.k + CK - 1u) / CK + nwg.z - 1u) / nwg.z * CK;
+    let k_end = min(p.k, (wg.z + 1u) * run);
+    for (var k0 = wg.z * run; k0 < k_end; k0 += CK) {
         // x: tile_rows rows of CK as vectors of 4.
         for (var e = lid; e < tile_rows * (CK / 4u); e += COOP_THREADS) {
             let t = e / (CK / 4u);
@@ -99,7 +108,7 @@ fn gemm_coop(@builtin(workgroup_id) wg: vec3<u32>,
         workgroupBarrier();
     }
     // Each fragment through workgroup memory, so the lanes write it with store()'s bias,
-    // ADD_OUT and bounds.
+    // ADD_OUT and bounds (or, with k split, to this run's partial sums).
     let staged = sg * F * F;
     for (var fr = 0u; fr < COOP_FR; fr++) {
         for (var fc = 0u; fc < SUB_FC; fc++) {
@@ -109,10 +118,33 @@ fn gemm_coop(@builtin(workgroup_id) wg: vec3<u32>,
                 let r = row0 + sr + fr * F + e / F;
                 let c = col0 + sc + fc * F + e % F;
                 if (r < p.m && c < p.n) {
-                    store(r, c, frag_out[staged + e]);
+                    if (nwg.z == 1u) {
+                        store(r, c, frag_out[staged + e]);
+                    } else {
+                        partials[(wg.z * p.m + r) * p.n + c] = frag_out[staged + e];
+                    }
                 }
             }
             workgroupBarrier();
         }
     }
+}
+
+// The sums of gemm_coop's COOP_SPLITS runs of k, an output a thread, in the order of the
+// runs.
+override COOP_SPLITS: u32 = 1u;
+
+@compute @workgroup_size(WG)
+fn gemm_coop_reduce(@builtin(workgroup_id) wg: vec3<u32>,
+                    @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let e = (wg.y * nwg.x + wg.x) * WG + lid;
+    if (e >= p.m * p.n) {
+        return;
+    }
+    var s = 0.0;
+    for (var run = 0u; run < COOP_SPLITS; run++) {
+        s += partials[run * p.m * p.n + e];
+    }
+    store(e / p.n, e % p.n, s);
 }
