@@ -8,6 +8,7 @@ mod common;
 
 use common::{cases, top_ids};
 use ingot_backend::wgpu::{Options, WgpuBackend};
+use ingot_backend::DType;
 use ingot_model::synthetic::Dtype;
 use ingot_model::testing::test_model_path;
 use ingot_model::WeightDType;
@@ -163,7 +164,9 @@ fn matrices_split_over_buffers_match_the_cpu() {
 /// models' logits near the f32 CPU's: on lavapipe 3.9e-5 to 1.9e-4 for four prompts of up
 /// to 200 tokens and 7.0e-5 to 4.1e-4 for twelve short sequences at once (steps of 9-64
 /// rows), where the same steps without them give 3.2e-7 to 6.3e-7 (x and the layer's
-/// intermediate rows rounded to f16 in every product). Runs where the backend uses them
+/// intermediate rows rounded to f16 in every product); each also with an f16 KV cache,
+/// whose prefill attention runs on them too (`prefill_coop`: 6.0e-5 to 4.1e-4, the CPU
+/// reading the same f16 cache). Runs where the backend uses them
 /// (`make test` runs it again on a lavapipe that has them, scripts/fetch-coop-lavapipe,
 /// with INGOT_WGPU_COOPERATIVE_MATRIX=1, which makes opening the backend fail where they
 /// are missing).
@@ -196,21 +199,24 @@ fn products_on_cooperative_matrices_stay_near_the_cpu() {
                 std::process::id()
             ));
             spec.write(&dir).unwrap();
-            for lens in [&prefill[..], &batch[..]] {
+            let runs = [&prefill[..], &batch[..]]
+                .into_iter()
+                .flat_map(|lens| [(lens, DType::F32), (lens, DType::F16)]);
+            for (lens, kv) in runs {
                 let seqs = common::random_seqs(5, lens, spec.vocab_size);
                 let g = gpu();
                 let reference = common::cpu_reference_of(&g);
                 let (auto, n) = (WeightDType::Auto, lens.len());
-                let mut cpu = common::runner_on(reference, &dir, auto, 256, n, 512, 64);
-                let mut gpu = common::runner_on(g, &dir, auto, 256, n, 512, 64);
+                let mut cpu = common::runner_with_cache(reference, &dir, auto, kv, 256, n, 512, 64);
+                let mut gpu = common::runner_with_cache(g, &dir, auto, kv, 256, n, 512, 64);
                 let (rows, worst) = common::mixed_logit_error(&mut cpu, &mut gpu, &seqs);
                 println!(
-                    "{arch:?} {stored:?}, {n} sequences: {rows} logit rows, max relative \
-                     error {worst:.2e}"
+                    "{arch:?} {stored:?}, {n} sequences, {kv} cache: {rows} logit rows, max \
+                     relative error {worst:.2e}"
                 );
                 assert!(
                     worst <= 2e-3,
-                    "{arch:?} {stored:?}, {n} sequences: relative logit error {worst}"
+                    "{arch:?} {stored:?}, {n} sequences, {kv} cache: relative logit error {worst}"
                 );
             }
             std::fs::remove_dir_all(&dir).ok();

@@ -778,6 +778,13 @@ pub fn cooperative_product_inputs(m: usize, k: usize, weights: DType) -> DType {
     }
 }
 
+/// Whether prefill attention runs on cooperative matrices (`prefill_coop`) where the
+/// adapter has them: a 16-bit cache (an f32 one keeps f32 products, for exact
+/// comparisons) and head_dim a multiple of 16 up to 128 (the kernel's tiles).
+pub fn takes_coop_prefill(head_dim: usize, cache: DType) -> bool {
+    matches!(cache, DType::F16 | DType::BF16) && head_dim <= 128 && head_dim.is_multiple_of(16)
+}
+
 /// How `gemm_coop` lays out a workgroup (its override constants): COOP_WM x COOP_WN
 /// subgroups, each COOP_FR fragments of rows by 32 columns.
 #[derive(Clone, Copy, Debug)]
@@ -1596,6 +1603,35 @@ impl Backend for WgpuBackend {
         if !decode {
             // Prefill and mixed steps: tiles of PREFILL_ROWS query rows share each key tile
             // where head_dim allows (16-byte cache bindings), else one row a workgroup.
+            let coop = self
+                .features
+                .cooperative_matrix
+                .filter(|_| takes_coop_prefill(layout.head_dim, k_cache.dtype));
+            if let Some(c) = coop {
+                let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
+                p.push(q_tiles as u32);
+                let constants = [("COOP_SG", c.subgroup_size)];
+                let pipeline = self.pipeline(
+                    &shader::ATTENTION_COOP,
+                    "prefill_coop",
+                    k_cache.dtype,
+                    &constants,
+                );
+                let buffers = [
+                    (1, &qkv.buf),
+                    (2, &meta.query_start_loc.buf),
+                    (3, &meta.seq_lens.buf),
+                    (4, &meta.block_tables.buf),
+                    (7, &out.buf),
+                    (9, &k_cache.buf),
+                    (10, &v_cache.buf),
+                ];
+                let groups = grid(meta.num_seqs * q_tiles * layout.num_heads);
+                self.record(pipeline, &p, &buffers, groups, || {
+                    format!("prefill_coop {} {}x{}", k_cache.dtype, c.side, c.side)
+                });
+                return;
+            }
             let (entry, kv, groups) = if tiled {
                 let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
                 p.push(q_tiles as u32);

@@ -233,6 +233,21 @@ pub const ATTENTION: Kernel = Kernel {
     dtypes: FLOATS,
 };
 
+/// Prefill attention on cooperative matrices: attention.wgsl's helpers and its own entry,
+/// for 16-bit caches.
+pub const ATTENTION_COOP: Kernel = Kernel {
+    file: "attention_coop",
+    entries: &["prefill_coop"],
+    source: concat!(
+        include_str!("kernels/attention.wgsl"),
+        include_str!("kernels/attention_coop.wgsl")
+    ),
+    typed: ATTENTION.typed,
+    reduces: true,
+    cooperative: true,
+    dtypes: &[DType::F16, DType::BF16],
+};
+
 pub const MOE: Kernel = Kernel {
     file: "moe",
     entries: &["moe_route", "moe_gate_up", "moe_down", "moe_combine"],
@@ -267,6 +282,7 @@ pub const KERNELS: &[&Kernel] = &[
     &QKV_ROPE,
     &ROPE,
     &ATTENTION,
+    &ATTENTION_COOP,
     &MOE,
     &SAMPLING,
 ];

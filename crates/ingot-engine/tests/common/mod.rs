@@ -50,13 +50,42 @@ pub fn runner_on<B: Backend>(
     num_blocks: usize,
 ) -> ModelRunner<B> {
     let (model, _) = ingot_model::load(&backend, path, dtype).unwrap();
+    let kv = model.weights.activation_dtype;
+    runner_of(backend, model, kv, budget, max_seqs, max_len, num_blocks)
+}
+
+/// A runner on `backend` with the KV cache in `kv`.
+#[allow(clippy::too_many_arguments)]
+pub fn runner_with_cache<B: Backend>(
+    backend: B,
+    path: &Path,
+    dtype: WeightDType,
+    kv: ingot_backend::DType,
+    budget: usize,
+    max_seqs: usize,
+    max_len: usize,
+    num_blocks: usize,
+) -> ModelRunner<B> {
+    let (model, _) = ingot_model::load(&backend, path, dtype).unwrap();
+    runner_of(backend, model, kv, budget, max_seqs, max_len, num_blocks)
+}
+
+fn runner_of<B: Backend>(
+    backend: B,
+    model: ingot_model::Model<B>,
+    kv_cache_dtype: ingot_backend::DType,
+    budget: usize,
+    max_seqs: usize,
+    max_len: usize,
+    num_blocks: usize,
+) -> ModelRunner<B> {
     let cfg = RunnerConfig {
         max_num_batched_tokens: budget,
         max_num_seqs: max_seqs,
         max_model_len: max_len,
         block_size: 16,
         num_blocks,
-        kv_cache_dtype: model.weights.activation_dtype,
+        kv_cache_dtype,
         enforce_eager: false,
         head: ingot_model::Head::Logits,
     };
