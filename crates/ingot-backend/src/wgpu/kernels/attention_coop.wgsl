@@ -114,8 +114,8 @@ fn prefill_coop(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) n
             coopStoreT(s, &pc_s[fr * F * PC_KEYS + fc * F], PC_KEYS);
         }
         workgroupBarrier();
-        // Row i's maximum, its correction and sum, and its probabilities as f16; masked
-        // keys (past the row's position or the tile) and rows past nr get 0.
+        // Row i's maximum and correction; masked keys (past the row's position or the
+        // tile) and rows past nr are left out.
         if (lid < Q_TILE) {
             let i = lid;
             var mx = head_max[i];
@@ -124,27 +124,34 @@ fn prefill_coop(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) n
                     mx = max(mx, pc_s[i * PC_KEYS + j] * p.scale);
                 }
             }
-            var sum = 0.0;
-            for (var j = 0u; j < PC_KEYS; j++) {
-                var pr = 0.0;
-                if (i < nr && j < nt && t0 + j <= first_pos + i) {
-                    pr = exp(pc_s[i * PC_KEYS + j] * p.scale - mx);
-                }
-                let rounded = f16(pr);
-                pc_p[i * PC_P_PAD + j] = rounded;
-                sum += f32(rounded);
-            }
-            let corr = exp(head_max[i] - mx);
-            head_corr[i] = corr;
+            head_corr[i] = exp(head_max[i] - mx);
             head_max[i] = mx;
-            head_sum[i] = head_sum[i] * corr + sum;
         }
         workgroupBarrier();
+        // The probabilities as f16 (0 where masked), a thread an element, and O's rows
+        // scaled by their correction.
+        for (var e = lid; e < Q_TILE * PC_KEYS; e += PC_THREADS) {
+            let i = e / PC_KEYS;
+            let j = e % PC_KEYS;
+            var pr = 0.0;
+            if (i < nr && j < nt && t0 + j <= first_pos + i) {
+                pr = exp(pc_s[e] * p.scale - head_max[i]);
+            }
+            pc_p[i * PC_P_PAD + j] = f16(pr);
+        }
         for (var i = lid; i < Q_TILE * hd; i += PC_THREADS) {
             pc_o[(i / hd) * PC_DIM + i % hd] *= head_corr[i / hd];
         }
         pc_stage(lid, seq, kvh, t0, nt, true);
         workgroupBarrier();
+        // The sums of the rounded probabilities P·V takes, beside the products.
+        if (lid < Q_TILE) {
+            var sum = 0.0;
+            for (var j = 0u; j < PC_KEYS; j++) {
+                sum += f32(pc_p[lid * PC_P_PAD + j]);
+            }
+            head_sum[lid] = head_sum[lid] * head_corr[lid] + sum;
+        }
         for (var f = sg; f < o_frags; f += PC_SUBGROUPS) {
             let fr = f / o_cols;
             let fc = f % o_cols;
