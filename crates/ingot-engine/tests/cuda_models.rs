@@ -97,23 +97,7 @@ fn f32_real_model_gives_the_transformers_greedy_tokens() {
 /// fixture; the first token must agree wherever transformers' top-2 gap is clear.
 fn report_divergence(dtype: WeightDType) {
     let mut r = real_runner(dtype);
-    let mut checked = 0;
-    for c in &cases() {
-        let (tokens, _) = common::greedy_with_logits(&mut r, &c.prompt, 32);
-        let matched = tokens
-            .iter()
-            .zip(&c.greedy)
-            .take_while(|(a, b)| a == b)
-            .count();
-        println!(
-            "{dtype:?} {:>12}: {matched:>2}/32 steps equal before divergence",
-            c.name
-        );
-        if c.top5[0][0].1 - c.top5[0][1].1 > 0.5 {
-            assert_eq!(tokens[0], c.greedy[0], "{}: first token", c.name);
-            checked += 1;
-        }
-    }
+    let checked = common::greedy_tracks_transformers(&mut r, &cases(), &format!("{dtype:?}"));
     assert!(checked >= 5);
 }
 

@@ -49,43 +49,31 @@ pub fn runner_on<B: Backend>(
     max_len: usize,
     num_blocks: usize,
 ) -> ModelRunner<B> {
-    let (model, _) = ingot_model::load(&backend, path, dtype).unwrap();
-    let kv = model.weights.activation_dtype;
-    runner_of(backend, model, kv, budget, max_seqs, max_len, num_blocks)
+    runner_with_cache(
+        backend, path, dtype, None, budget, max_seqs, max_len, num_blocks,
+    )
 }
 
-/// A runner on `backend` with the KV cache in `kv`.
+/// A runner on `backend` with the KV cache in `kv` (None: the model's activation dtype).
 #[allow(clippy::too_many_arguments)]
 pub fn runner_with_cache<B: Backend>(
     backend: B,
     path: &Path,
     dtype: WeightDType,
-    kv: ingot_backend::DType,
+    kv: Option<ingot_backend::DType>,
     budget: usize,
     max_seqs: usize,
     max_len: usize,
     num_blocks: usize,
 ) -> ModelRunner<B> {
     let (model, _) = ingot_model::load(&backend, path, dtype).unwrap();
-    runner_of(backend, model, kv, budget, max_seqs, max_len, num_blocks)
-}
-
-fn runner_of<B: Backend>(
-    backend: B,
-    model: ingot_model::Model<B>,
-    kv_cache_dtype: ingot_backend::DType,
-    budget: usize,
-    max_seqs: usize,
-    max_len: usize,
-    num_blocks: usize,
-) -> ModelRunner<B> {
     let cfg = RunnerConfig {
         max_num_batched_tokens: budget,
         max_num_seqs: max_seqs,
         max_model_len: max_len,
         block_size: 16,
         num_blocks,
-        kv_cache_dtype,
+        kv_cache_dtype: kv.unwrap_or(model.weights.activation_dtype),
         enforce_eager: false,
         head: ingot_model::Head::Logits,
     };
@@ -301,6 +289,35 @@ pub fn cases() -> Vec<Case> {
                 .collect(),
         })
         .collect()
+}
+
+/// Per fixture, the greedy steps equal to transformers' before the first divergence
+/// (printed after `label`), and the first token wherever transformers' top-2 gap is clear
+/// (asserted); returns how many fixtures had one. For runs whose rounding differs from
+/// transformers' f32 (16-bit weights, f16 activations), where near-ties may swap.
+pub fn greedy_tracks_transformers<B: Backend>(
+    r: &mut ModelRunner<B>,
+    cases: &[Case],
+    label: &str,
+) -> usize {
+    let mut checked = 0;
+    for c in cases {
+        let (tokens, _) = greedy_with_logits(r, &c.prompt, 32);
+        let matched = tokens
+            .iter()
+            .zip(&c.greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
+        println!(
+            "{label} {:>12}: {matched:>2}/32 steps equal before divergence",
+            c.name
+        );
+        if c.top5[0][0].1 - c.top5[0][1].1 > 0.5 {
+            assert_eq!(tokens[0], c.greedy[0], "{}: first token", c.name);
+            checked += 1;
+        }
+    }
+    checked
 }
 
 /// Ids of the `k` largest logits, largest first.

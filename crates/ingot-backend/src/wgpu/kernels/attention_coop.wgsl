@@ -60,6 +60,8 @@ fn pc_stage(lid: u32, seq: u32, kvh: u32, t0: u32, nt: u32, values: bool) {
 fn prefill_coop(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32,
                 @builtin(subgroup_id) sg: u32) {
+    // The tile's rows as `prefill` finds them, written out again: behind a function, naga
+    // takes the early returns as non-uniform control flow, which cooperative ops forbid.
     let idx = wg.y * nwg.x + wg.x;
     let h = idx % p.q_heads;
     let qt = (idx / p.q_heads) % p.q_tiles;
