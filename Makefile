@@ -26,7 +26,7 @@ run: model build
 
 # Everything CI checks: formatting, lints, the Rust tests (the CUDA kernels compile with
 # NVRTC from PyPI; the CUDA tests that need a GPU run on the GPU machine, scripts/gpu/run;
-# the wgpu tests run on Mesa's lavapipe, and the wgpu conformance suite and a prefill test
+# the wgpu tests run on Mesa's lavapipe, and the wgpu conformance suite and a model test
 # again on a lavapipe with cooperative matrices, scripts/fetch-coop-lavapipe), and the Python suite that drives `ingot serve`
 # with the official openai client, headless Chromium (the chat page) and Prometheus (its
 # venv lives in ~/.cache/ingot); the openai-client part again on a synthetic Qwen3-MoE (on

@@ -437,8 +437,9 @@ impl WgpuBackend {
         let t = CoopTiles::for_rows(c, m);
         let splits = t.splits(c, m, n, k);
         let p = words(&[m, n, k, ld, col, bias.is_some() as usize]);
-        // Bound without a split too (the kernel names it), though not written then.
-        let partials = self.partials(splits * m * n);
+        // Bound without a split too (the kernel names it), though not written then: any
+        // size does.
+        let partials = self.partials(if splits > 1 { splits * m * n } else { 1 });
         let bias = bias.map_or(&self.dummy, |b| &b.buf);
         let buffers = [
             (5, &x.buf),
@@ -479,7 +480,9 @@ impl WgpuBackend {
         }
     }
 
-    /// The buffer of split-k partial sums, at least `floats` long.
+    /// The buffer of split-k partial sums, at least `floats` long: 16 MiB at most, since k
+    /// splits only where there are fewer than COOP_SPLIT_WORKGROUPS tiles (of at most 64 x
+    /// 128 outputs) and then into fewer than 2 * COOP_SPLIT_WORKGROUPS workgroups.
     fn partials(&self, floats: usize) -> wgpu::Buffer {
         let size = (floats * 4) as u64;
         let mut partials = self.partials.lock().unwrap();
@@ -1899,6 +1902,13 @@ mod tests {
         assert_eq!(splits(1024, 4096, 4096), 1);
         assert_eq!(splits(16, 64, 100), 1);
         assert_eq!(splits(16, 64, 1024), 8);
+        // The partial sums stay within 16 MiB (4 Mi floats).
+        for m in (GEMV_MAX_ROWS + 1..=2048).step_by(7) {
+            for n in (1..=70_000).step_by(997) {
+                let s = splits(m, n, 1 << 14);
+                assert!(s == 1 || s * m * n <= 4 << 20, "{m} x {n}: {s} runs");
+            }
+        }
     }
 
     #[test]
