@@ -448,8 +448,7 @@ impl WgpuBackend {
             (4, &out.buf),
             (7, &partials),
         ];
-        let add = ("ADD_OUT", u32::from(add_out));
-        let constants = [&t.constants(c)[..], &[add]].concat();
+        let constants = [&t.constants(c)[..], &[("ADD_OUT", u32::from(add_out))]].concat();
         let pipeline = self.pipeline(&shader::MATMUL_COOP, "gemm_coop", w.dtype, &constants);
         let tiles = [
             n.div_ceil(t.cols()) as u32,
@@ -484,17 +483,35 @@ impl WgpuBackend {
     /// splits only where there are fewer than COOP_SPLIT_WORKGROUPS tiles (of at most 64 x
     /// 128 outputs) and then into fewer than 2 * COOP_SPLIT_WORKGROUPS workgroups.
     fn partials(&self, floats: usize) -> wgpu::Buffer {
-        let size = (floats * 4) as u64;
         let mut partials = self.partials.lock().unwrap();
-        if partials.as_ref().is_none_or(|b| b.size() < size) {
-            *partials = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("split-k partials"),
+        let size = (floats * 4) as u64;
+        self.grown(
+            &mut partials,
+            "split-k partials",
+            size,
+            wgpu::BufferUsages::STORAGE,
+        )
+        .clone()
+    }
+
+    /// The buffer in `slot`, replaced by one of `size` bytes where it is missing or
+    /// smaller (the reused staging and partial-sum buffers).
+    fn grown<'a>(
+        &self,
+        slot: &'a mut Option<wgpu::Buffer>,
+        label: &'static str,
+        size: u64,
+        usage: wgpu::BufferUsages,
+    ) -> &'a wgpu::Buffer {
+        if slot.as_ref().is_none_or(|b| b.size() < size) {
+            *slot = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
                 size,
-                usage: wgpu::BufferUsages::STORAGE,
+                usage,
                 mapped_at_creation: false,
             }));
         }
-        partials.as_ref().unwrap().clone()
+        slot.as_ref().unwrap()
     }
 
     /// The pipeline of `entry` in `kernel`'s `dtype` variant with `constants` for its
@@ -619,15 +636,8 @@ impl WgpuBackend {
             return self.flush().map(|()| vec![]);
         }
         let mut staging = self.staging.lock().unwrap();
-        if staging.as_ref().is_none_or(|s| s.size() < size) {
-            *staging = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("staging"),
-                size: size.next_power_of_two(),
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }));
-        }
-        let staging = staging.as_ref().unwrap();
+        let usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        let staging = self.grown(&mut staging, "staging", size.next_power_of_two(), usage);
         // The copy goes in the submission of the step's last dispatches: one wait.
         self.recorder.lock().unwrap().flush_and_copy(
             &self.device,
@@ -784,7 +794,7 @@ pub fn cooperative_product_inputs(m: usize, k: usize, weights: DType) -> DType {
 /// Whether prefill attention runs on cooperative matrices (`prefill_coop`) where the
 /// adapter has them: a 16-bit cache (an f32 one keeps f32 products, for exact
 /// comparisons) and head_dim a multiple of 16 up to 128 (the kernel's tiles).
-pub fn takes_coop_prefill(head_dim: usize, cache: DType) -> bool {
+fn takes_coop_prefill(head_dim: usize, cache: DType) -> bool {
     matches!(cache, DType::F16 | DType::BF16) && head_dim <= 128 && head_dim.is_multiple_of(16)
 }
 
@@ -1605,63 +1615,48 @@ impl Backend for WgpuBackend {
         let tiled = layout.head_dim <= 128 && layout.head_dim.is_multiple_of(8);
         if !decode {
             // Prefill and mixed steps: tiles of PREFILL_ROWS query rows share each key tile
-            // where head_dim allows (16-byte cache bindings), else one row a workgroup.
+            // where head_dim allows (16-byte cache bindings; on cooperative matrices where
+            // the cache is 16-bit), else one row a workgroup.
             let coop = self
                 .features
                 .cooperative_matrix
                 .filter(|_| takes_coop_prefill(layout.head_dim, k_cache.dtype));
-            if let Some(c) = coop {
-                let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
-                p.push(q_tiles as u32);
-                let constants = [("COOP_SG", c.subgroup_size)];
-                let pipeline = self.pipeline(
+            let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
+            let tile_groups = meta.num_seqs * q_tiles * layout.num_heads;
+            let (kernel, entry, constants, kv, groups) = match coop {
+                Some(c) => (
                     &shader::ATTENTION_COOP,
                     "prefill_coop",
-                    k_cache.dtype,
-                    &constants,
-                );
-                let buffers = [
-                    (1, &qkv.buf),
-                    (2, &meta.query_start_loc.buf),
-                    (3, &meta.seq_lens.buf),
-                    (4, &meta.block_tables.buf),
-                    (7, &out.buf),
-                    (9, &k_cache.buf),
-                    (10, &v_cache.buf),
-                ];
-                let groups = grid(meta.num_seqs * q_tiles * layout.num_heads);
-                self.record(pipeline, &p, &buffers, groups, || {
-                    format!("prefill_coop {} {}x{}", k_cache.dtype, c.side, c.side)
-                });
-                return;
-            }
-            let (entry, kv, groups) = if tiled {
-                let q_tiles = meta.max_query_len.div_ceil(PREFILL_ROWS);
-                p.push(q_tiles as u32);
-                (
-                    "prefill",
+                    vec![("COOP_SG", c.subgroup_size)],
                     [9, 10],
-                    meta.num_seqs * q_tiles * layout.num_heads,
-                )
-            } else {
-                ("attention", [5, 6], rows * layout.num_heads)
+                    tile_groups,
+                ),
+                None if tiled => (&shader::ATTENTION, "prefill", vec![], [9, 10], tile_groups),
+                None => (
+                    &shader::ATTENTION,
+                    "attention",
+                    vec![],
+                    [5, 6],
+                    rows * layout.num_heads,
+                ),
             };
-            self.dispatch(
-                &shader::ATTENTION,
-                entry,
-                k_cache.dtype,
-                &p,
-                &[
-                    (1, &qkv.buf),
-                    (2, &meta.query_start_loc.buf),
-                    (3, &meta.seq_lens.buf),
-                    (4, &meta.block_tables.buf),
-                    (7, &out.buf),
-                    (kv[0], &k_cache.buf),
-                    (kv[1], &v_cache.buf),
-                ],
-                groups,
-            );
+            // Read by the tiled kernels, ignored by `attention`.
+            p.push(q_tiles as u32);
+            let buffers = [
+                (1, &qkv.buf),
+                (2, &meta.query_start_loc.buf),
+                (3, &meta.seq_lens.buf),
+                (4, &meta.block_tables.buf),
+                (7, &out.buf),
+                (kv[0], &k_cache.buf),
+                (kv[1], &v_cache.buf),
+            ];
+            if groups > 0 {
+                let pipeline = self.pipeline(kernel, entry, k_cache.dtype, &constants);
+                self.record(pipeline, &p, &buffers, grid(groups), || {
+                    format!("{entry} {}", k_cache.dtype)
+                });
+            }
             return;
         }
         assert!(
